@@ -1,0 +1,56 @@
+"""Prints a pipeline schedule's timeline, its async bubble and a one-line lockstep summary.
+
+  python launch/schedule.py --schedule=1f1b --stages=4 --microbatches=8 [--virtual=2] \
+      [--costs=F=1,B=1,W=1] [--png=FILE]
+
+A bad argument prints one line on stderr and exits with status 2.
+"""
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout as well
+
+from absl import app, flags  # noqa: E402
+
+from parallax.pipeline.render import render_png, render_summary  # noqa: E402
+from parallax.pipeline.schedule import SCHEDULES, make_schedule  # noqa: E402
+from parallax.pipeline.simulate import parse_costs  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("schedule", "1f1b", f"one of {', '.join(SCHEDULES)}")
+flags.DEFINE_integer("stages", 4, "pipeline ranks p")
+flags.DEFINE_integer("microbatches", 8, "microbatches m")
+flags.DEFINE_integer("virtual", 1, "chunks per rank v (interleaved_1f1b; zbv always uses 2)")
+flags.DEFINE_string("costs", "", "action costs, e.g. F=1,B=1,W=1 (BW defaults to B+W)")
+flags.DEFINE_string("png", "", "also write the lockstep timeline to this PNG file")
+
+
+def _fail(message: str):
+  print(f"schedule: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv):
+  try:
+    rest = FLAGS(argv)
+  except flags.Error as e:
+    _fail(str(e))
+  if len(rest) > 1:
+    _fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
+  return rest
+
+
+def main(argv):
+  del argv
+  try:
+    costs = parse_costs(FLAGS.costs)
+    schedule = make_schedule(FLAGS.schedule, FLAGS.stages, FLAGS.microbatches, FLAGS.virtual)
+  except ValueError as e:  # ScheduleError is a ValueError
+    _fail(str(e))
+  if FLAGS.png:
+    render_png(schedule, FLAGS.png, costs)
+  print(render_summary(schedule, costs))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

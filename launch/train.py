@@ -1,0 +1,25 @@
+"""Train a model from a config file.
+
+    python launch/train.py --config=configs/quickstart.py --workdir=/tmp/quickstart [--cpu_devices=8] \
+        [--config.train.steps=100 --config.mesh.fsdp=2 ...]
+
+Rerunning the same command with the same workdir resumes from the latest checkpoint. A config error exits
+with status 2 and one line naming the key, the value and what would be valid.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from launch.common import cli_main  # noqa: E402
+
+
+def run(config, flags):
+    from parallax.train import train_and_evaluate
+
+    train_and_evaluate(config, flags.workdir)
+
+
+if __name__ == "__main__":
+    cli_main(run, needs_config=True)

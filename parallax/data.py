@@ -1,0 +1,284 @@
+"""Language-model data: sources, packing into fixed-length rows, per-host batches -> global arrays.
+
+Owns the three sources (``synthetic``, ``text`` bytes, pre-tokenized ``tokens`` files), the split into
+train / eval documents, the packing of documents into rows of ``seq_len`` tokens, and ``to_global``.
+
+Determinism contract: row ``r`` of the global batch for ``(seed, step, split)`` depends on those four values
+and the corpus only -- not on the number of hosts, the host index, or which batches were read before. So
+resuming at step ``s`` needs nothing but ``s``, and N hosts each asking for their own slice of the global
+batch together hold exactly the batch one host would have read.
+
+Each split is one precomputed stream: the split's documents concatenated (a 1-D token array, memory-mapped
+for token files) plus the offset at which each document starts. A row is the window of ``seq_len + 1``
+tokens starting at a pseudo-random offset drawn from ``np.random.default_rng([seed, split, step, row])``;
+windows cross document boundaries. In every batch (arrays of shape [rows, seq_len]):
+
+* ``inputs`` / ``targets`` (int32): the window's tokens and the tokens one place later;
+* ``segment_ids`` (int32): 1, 2, ... for the documents inside the row, 0 for padding;
+* ``positions`` (int32): the token's position counted from its document's true start, so a row that begins
+  mid-document begins at that document's position there, not at 0; it restarts at 0 at each new document;
+* ``weights`` (float32): 1.0 where the target is the next token of the same document, else 0.0 (padding,
+  and the last token of each document).
+
+Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens.
+
+Token files: ``NAME.uint16.bin`` / ``NAME.uint32.bin`` are raw little-endian arrays of that dtype;
+``NAME.npy`` is a 1-D integer numpy array (any integer dtype). Documents end with ``eos_id``, which belongs to
+the document it ends; the eval split is the last ``eval_fraction`` of the tokens, cut at a document start.
+"""
+
+import dataclasses
+import hashlib
+import os
+
+import jax
+import numpy as np
+
+SPLITS = ("train", "eval")
+_TOKEN_DTYPES = {".uint16.bin": np.dtype("<u2"), ".uint32.bin": np.dtype("<u4")}
+_SCAN_CHUNK = 1 << 24  # tokens per pass when scanning a token file for eos and the largest id
+
+
+class DataError(ValueError):
+    """A data configuration or corpus problem; the message names the bad value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stream:
+    """One split: its documents concatenated, and the offset where each document starts (starts[0] == 0)."""
+
+    tokens: np.ndarray  # [n_tokens], any integer dtype, possibly a memmap
+    starts: np.ndarray  # [n_docs] int64, strictly increasing
+
+
+def _concat(docs, eos_id, dtype):
+    lengths = np.array([len(d) + (eos_id is not None) for d in docs], dtype=np.int64)
+    tokens = np.empty(int(lengths.sum()), dtype)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    for doc, start, length in zip(docs, starts, lengths):
+        tokens[start : start + len(doc)] = doc
+        if eos_id is not None:
+            tokens[start + length - 1] = eos_id
+    return _Stream(tokens, starts)
+
+
+def _synthetic(seq_len, vocab_size, seed, eval_fraction, eos_id):
+    """Documents that are a short random pattern repeated, or an arithmetic sequence mod vocab."""
+    rng = np.random.default_rng([seed, 7])
+    n_ids = vocab_size - (eos_id is not None)  # ids drawn from [0, n_ids), shifted past eos_id
+    budget, docs = max(1 << 18, 64 * seq_len), []
+    while budget > 0:
+        length = int(rng.integers(16, max(17, 2 * seq_len + 1)))
+        if rng.random() < 0.5:
+            pattern = rng.integers(0, n_ids, int(rng.integers(2, 9)))
+            doc = np.resize(pattern, length)
+        else:
+            doc = (rng.integers(0, n_ids) + rng.integers(1, 9) * np.arange(length)) % n_ids
+        if eos_id is not None:
+            doc = doc + (doc >= eos_id)
+        docs.append(doc)
+        budget -= length
+    n_train = len(docs) - int(round(len(docs) * eval_fraction))
+    return docs[:n_train], docs[n_train:]
+
+
+def _is_eval(relpath, eval_fraction):
+    """Stable per-document split: a hash of the path, so adding files never moves other files."""
+    digest = hashlib.sha1(relpath.encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2.0**64 < eval_fraction
+
+
+def _text(path, eval_fraction, max_bytes):
+    """Every file under ``path`` (sorted, recursive) is one document of bytes; binary files are skipped."""
+    stdlib = path == ""
+    root = os.path.dirname(os.__file__) if stdlib else path
+    if not os.path.isdir(root):
+        raise DataError(f"text path {path!r} is not a directory; pass a directory of text files, "
+                        "or path='' for the Python standard library sources")
+    train, held_out, total = [], [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and d not in ("__pycache__", "site-packages", "dist-packages"))
+        for name in sorted(filenames):
+            if total >= max_bytes:
+                return train, held_out
+            if name.startswith(".") or (stdlib and not name.endswith(".py")):
+                continue
+            with open(os.path.join(dirpath, name), "rb") as f:
+                data = f.read(max_bytes - total)
+            if not data or b"\0" in data:
+                continue
+            total += len(data)
+            relpath = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            doc = np.frombuffer(data, np.uint8)
+            (held_out if _is_eval(relpath, eval_fraction) else train).append(doc)
+    return train, held_out
+
+
+def _open_tokens(path):
+    if path.endswith(".npy"):
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise DataError(f"token file {path!r} holds {tokens.dtype}{list(tokens.shape)}; "
+                            "save a 1-D integer array")
+        return tokens
+    for suffix, dtype in _TOKEN_DTYPES.items():
+        if path.endswith(suffix):
+            if os.path.getsize(path) % dtype.itemsize:
+                raise DataError(f"token file {path!r} size is not a multiple of {dtype.itemsize} bytes; "
+                                f"is it really {dtype.name}?")
+            return np.memmap(path, dtype=dtype, mode="r")
+    raise DataError(f"token file {path!r} has an unknown dtype; name it NAME.uint16.bin, "
+                    "NAME.uint32.bin or NAME.npy")
+
+
+def _token_streams(path, vocab_size, eval_fraction, eos_id):
+    """Memory-maps a token file, checks every id against vocab_size, splits off the tail for eval."""
+    if eos_id is None:
+        raise DataError("source='tokens' needs eos_id (the id that ends each document); pass eos_id=...")
+    if not 0 <= eos_id < vocab_size:
+        raise DataError(f"eos_id={eos_id} is outside the vocab [0, {vocab_size}); "
+                        "pass the tokenizer's eos id")
+    if not os.path.isfile(path):
+        raise DataError(f"token file {path!r} does not exist; pass the path of a NAME.uint16.bin, "
+                        "NAME.uint32.bin or NAME.npy file")
+    tokens = _open_tokens(path)
+    if len(tokens) == 0:
+        raise DataError(f"token file {path!r} is empty; write tokens to it first")
+    ends = []
+    for lo in range(0, len(tokens), _SCAN_CHUNK):
+        chunk = np.asarray(tokens[lo : lo + _SCAN_CHUNK])
+        if int(chunk.max()) >= vocab_size or int(chunk.min()) < 0:
+            bad = int(chunk.max()) if int(chunk.max()) >= vocab_size else int(chunk.min())
+            raise DataError(f"token file {path!r} holds id {bad}, outside vocab_size={vocab_size}; "
+                            "raise vocab_size to the tokenizer's vocab size")
+        ends.append(lo + np.flatnonzero(chunk == eos_id) + 1)
+    ends = np.concatenate(ends)
+    starts = np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
+    later = starts[starts >= len(tokens) * (1.0 - eval_fraction)]
+    cut = int(later[0]) if eval_fraction > 0 and len(later) else len(tokens)
+    train = _Stream(tokens[:cut], starts[starts < cut])
+    held_out = _Stream(tokens[cut:], starts[starts >= cut] - cut) if cut < len(tokens) else None
+    return train, held_out
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Packed LM batches for ``(seed, step, split)``; build it with ``make_dataset``."""
+
+    source: str
+    seq_len: int
+    global_batch_size: int
+    vocab_size: int
+    seed: int
+    streams: dict  # split -> _Stream, or None when the split has no documents
+
+    def batch(self, step: int, split: str = "train", *, process_index: int = 0,
+              process_count: int = 1) -> dict:
+        """This host's rows of the global batch: each array is [global_batch_size // process_count, seq_len].
+
+        Host ``i`` gets global rows ``[i * B/process_count, (i+1) * B/process_count)``.
+        """
+        if split not in SPLITS:
+            raise DataError(f"split={split!r} is unknown; use one of {SPLITS}")
+        if process_count < 1 or self.global_batch_size % process_count:
+            raise DataError(f"global_batch_size={self.global_batch_size} is not divisible by "
+                            f"process_count={process_count}; make the batch a multiple of the host count")
+        if not 0 <= process_index < process_count:
+            raise DataError(f"process_index={process_index} is outside [0, {process_count}); "
+                            "pass jax.process_index()")
+        if step < 0:
+            raise DataError(f"step={step} is negative; steps count from 0")
+        stream = self.streams[split]
+        if stream is None:
+            raise DataError(f"the {split!r} split of this {self.source!r} corpus has no documents; "
+                            "raise eval_fraction or add documents")
+        per_host = self.global_batch_size // process_count
+        rows = range(process_index * per_host, (process_index + 1) * per_host)
+        return _pack(stream, self.seq_len, [self._offset(stream, step, split, r) for r in rows])
+
+    def _offset(self, stream, step, split, row):
+        n_starts = len(stream.tokens) - self.seq_len  # windows of seq_len + 1 tokens that fit
+        if n_starts <= 0:
+            return 0
+        rng = np.random.default_rng([self.seed, SPLITS.index(split), step, row])
+        return int(rng.integers(0, n_starts))
+
+    def describe(self) -> str:
+        """One line: the source, the number of documents, and the train / eval token counts."""
+        streams = [s for s in self.streams.values() if s is not None]
+        n_tokens = {k: 0 if s is None else len(s.tokens) for k, s in self.streams.items()}
+        return (f"{self.source}: {sum(len(s.starts) for s in streams)} documents, "
+                f"{n_tokens['train']} train / {n_tokens['eval']} eval tokens, "
+                f"rows of {self.seq_len} tokens, global batch {self.global_batch_size}")
+
+
+def _pack(stream, seq_len, offsets):
+    """Rows of seq_len tokens starting at each offset (padded past the stream's end); see module doc."""
+    idx = np.asarray(offsets, np.int64)[:, None] + np.arange(seq_len + 1)  # [R, L+1]
+    n = len(stream.tokens)
+    valid = idx < n
+    idx = np.minimum(idx, n - 1)
+    tokens = np.asarray(stream.tokens[idx], np.int32)
+    doc = np.searchsorted(stream.starts, idx, side="right") - 1  # [R, L+1] document of each token
+    positions = idx - stream.starts[doc]
+    real = valid[:, :-1]
+    return {
+        "inputs": np.where(real, tokens[:, :-1], 0).astype(np.int32),
+        "targets": np.where(valid[:, 1:], tokens[:, 1:], 0).astype(np.int32),
+        "segment_ids": np.where(real, doc[:, :-1] - doc[:, :1] + 1, 0).astype(np.int32),
+        "positions": np.where(real, positions[:, :-1], 0).astype(np.int32),
+        "weights": (valid[:, 1:] & (doc[:, 1:] == doc[:, :-1])).astype(np.float32),
+    }
+
+
+def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size: int, seed: int,
+                 vocab_size: int, eval_fraction: float = 0.05, eos_id: int | None = None,
+                 max_bytes: int = 64 << 20) -> Dataset:
+    """Loads ``source`` ('synthetic', 'text' or 'tokens'; see the module doc) and returns a Dataset.
+
+    ``eos_id`` is required for 'tokens'; for 'synthetic' and 'text' it is optional and, when given, appended
+    to every document. 'text' reads at most ``max_bytes`` bytes of files.
+    """
+    if seq_len < 1 or global_batch_size < 1:
+        raise DataError(f"seq_len={seq_len}, global_batch_size={global_batch_size}: both must be >= 1")
+    if seed < 0:
+        raise DataError(f"seed={seed} is negative; use a seed >= 0")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"eval_fraction={eval_fraction} must be in [0, 1); e.g. 0.05")
+    if source == "synthetic":
+        if vocab_size < 16:
+            raise DataError(f"vocab_size={vocab_size} is too small for source='synthetic'; use >= 16")
+        if eos_id is not None and not 0 <= eos_id < vocab_size:
+            raise DataError(f"eos_id={eos_id} is outside the vocab [0, {vocab_size}); pick an id below it")
+        docs = _synthetic(seq_len, vocab_size, seed, eval_fraction, eos_id)
+        dtype = np.int32
+    elif source == "text":
+        if vocab_size < 256:
+            raise DataError(f"vocab_size={vocab_size} is too small for source='text' (byte tokens 0..255); "
+                            "use vocab_size >= 256")
+        if eos_id is not None and not 256 <= eos_id < vocab_size:
+            raise DataError(f"eos_id={eos_id} collides with a byte or leaves the vocab; "
+                            f"pick an id in [256, {vocab_size})")
+        docs = _text(path, eval_fraction, max_bytes)
+        dtype = np.uint8 if eos_id is None else np.int32
+    elif source == "tokens":
+        streams = _token_streams(path, vocab_size, eval_fraction, eos_id)
+    else:
+        raise DataError(f"source={source!r} is unknown; use 'synthetic', 'text' or 'tokens'")
+    if source != "tokens":
+        streams = tuple(_concat(d, eos_id, dtype) if d else None for d in docs)
+    if streams[0] is None or len(streams[0].tokens) == 0:
+        raise DataError(f"source={source!r} path={path!r} has no training documents; "
+                        "point path at a non-empty corpus or lower eval_fraction")
+    return Dataset(source, seq_len, global_batch_size, vocab_size, seed, dict(zip(SPLITS, streams)))
+
+
+def to_global(batch: dict, sharding: jax.sharding.Sharding, global_batch_size: int) -> dict:
+    """Turns each host's rows into global jax.Arrays of shape [global_batch_size, seq_len] with ``sharding``.
+
+    Every host calls it with its own ``Dataset.batch(..., process_index=jax.process_index(), ...)``.
+    """
+    return {name: jax.make_array_from_process_local_data(sharding, local,
+                                                         (global_batch_size,) + local.shape[1:])
+            for name, local in batch.items()}

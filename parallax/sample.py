@@ -1,0 +1,68 @@
+"""Text generation from a trained decoder (no KV cache: a short sample for humans, not a server)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int, *, temperature: float = 0.8,
+             seed: int = 0) -> np.ndarray:
+    """Samples `num_tokens` after `prompt` (1-D int array) with a sliding window of `seq_len` tokens."""
+
+    @jax.jit
+    def next_token(params, window, length, key):
+        model = nnx.merge(graphdef, params)
+        tokens = window[None]  # (1, S)
+        positions = jnp.arange(seq_len)[None]
+        segment_ids = (positions < length).astype(jnp.int32)  # real tokens are segment 1, the rest padding
+        logits = model(tokens, segment_ids, positions)[0, length - 1]  # (V,)
+        if temperature <= 0:
+            return jnp.argmax(logits)
+        return jax.random.categorical(key, logits / temperature)
+
+    out = [int(t) for t in prompt]
+    key = jax.random.key(seed)
+    for i in range(num_tokens):
+        context = out[-seq_len:]
+        window = np.zeros(seq_len, np.int32)
+        window[: len(context)] = context
+        token = next_token(params, jnp.asarray(window), jnp.int32(len(context)), jax.random.fold_in(key, i))
+        out.append(int(token))
+    return np.asarray(out[len(prompt):], np.int32)
+
+
+def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperature: float = 0.8) -> str:
+    """Restores the latest checkpoint of `workdir` onto one device and continues `prompt` (bytes)."""
+    import os
+
+    from parallax import checkpoint as ckpt_lib
+    from parallax.config import ConfigError, config_from_json
+    from parallax.train import Trainer
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--workdir={workdir}: no config.json there; train first (make train)")
+    with open(path) as f:
+        config = config_from_json(f.read())
+    for axis in config.mesh:
+        config.mesh[axis] = 1
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 0, 1)
+    step = checkpointer.latest_step()
+    if step is None:
+        raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train first (make train)")
+    abstract = jax.eval_shape(trainer.init_state)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                            trainer.state_shardings)
+    params = checkpointer.restore(abstract, step)["params"]
+    checkpointer.close()
+    data = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size
+    tokens = generate(trainer.graphdef, params, data, num_tokens or config.train.sample_tokens,
+                      config.train.seq_len, temperature=temperature)
+    if config.data.source == "text":
+        text = bytes(int(t) for t in tokens if t < 256).decode("utf-8", errors="replace")
+        return f"step {step} sample:\n{prompt}{text}"
+    return f"step {step} sample (token ids): {' '.join(map(str, tokens.tolist()))}"

@@ -1,0 +1,143 @@
+"""Logical axis names and the rules table that maps them onto mesh axes.
+
+Parameters carry logical names in their `logical` metadata (e.g. `('embed', 'mlp')`); activations are
+constrained with `constrain(x, ('batch', 'length', 'act_embed'))`. One table, `DEFAULT_RULES`, maps each
+logical name to a mesh axis, a tuple of mesh axes, or None (replicated). Parameter names and activation
+names are kept apart (`embed` is a weight dimension sharded by FSDP; `act_embed` is the model dimension of
+an activation, which FSDP leaves whole), following levanter's split of parameter and compute mappings.
+The config's `sharding.rules` overrides entries of the table; model code never changes with the mesh.
+
+Shapes first, then shardings, then allocation: `abstract_params` traces the init with `jax.eval_shape`,
+`param_shardings` turns the logical names into `NamedSharding`s, and `init_sharded` jits the init with those
+out_shardings so every parameter is created already sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallax.config import ConfigError
+
+DEFAULT_RULES: dict[str, object] = {
+    # Parameters.
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "stage": "pipe",
+    "experts": "expert",
+    "norm": None,
+    # Activations.
+    "batch": ("data", "fsdp", "expert"),
+    "length": "seq",
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("parallax_sharding", default=None)
+
+
+def make_rules(overrides=None) -> dict[str, object]:
+    """DEFAULT_RULES with `overrides` ({logical: mesh axis | tuple | None}) applied; unknown names are errors."""
+    rules = dict(DEFAULT_RULES)
+    for name, value in dict(overrides or {}).items():
+        if name not in rules:
+            raise ConfigError(f"config.sharding.rules.{name}: unknown logical axis; valid: {', '.join(sorted(rules))}")
+        rules[name] = tuple(value) if isinstance(value, list) else value
+    return rules
+
+
+def logical_to_spec(names, rules, mesh=None, shape=None, what="array") -> P:
+    """Maps logical names to a PartitionSpec. Mesh axes of size 1 are dropped; a mesh axis is used once.
+
+    With `shape`, a dimension that the rules shard but that the mesh axes do not divide is a ConfigError.
+    """
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        target = rules.get(name) if name is not None else None
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        if mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+        axes = tuple(a for a in axes if a not in used)
+        if shape is not None and axes and mesh is not None:
+            ways = 1
+            for a in axes:
+                ways *= mesh.shape[a]
+            if shape[dim] % ways:
+                raise ConfigError(
+                    f"{what}: dimension {dim} ({name}) has size {shape[dim]}, not divisible by mesh axes "
+                    f"{axes} of size {ways}; change the model size or the mesh, or set config.sharding.rules.{name}")
+        used.update(axes)
+        spec.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+def param_logical_names(abstract_state) -> dict:
+    """Pure-dict pytree of the logical names of every parameter of an nnx state."""
+    def names(var):
+        meta = var.get_metadata()
+        logical = meta.get("logical")
+        value = var.get_value()
+        if logical is None or len(logical) != value.ndim:
+            raise ValueError(f"parameter of shape {value.shape} has logical names {logical}; annotate every dim")
+        return tuple(logical)
+    tree = jax.tree.map(names, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+
+def param_shardings(abstract_params, logical_names, mesh, rules) -> dict:
+    """NamedShardings for a pure-dict params tree, from its logical names."""
+    def one(path, arr, names):
+        where = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
+        return NamedSharding(mesh, logical_to_spec(names, rules, mesh, arr.shape, where))
+    return jax.tree_util.tree_map_with_path(one, abstract_params, logical_names,
+                                            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x))
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh, rules):
+    """Within this context, `constrain` applies the rules on `mesh`; outside it, `constrain` is a no-op."""
+    token = _CONTEXT.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def constrain(x, names):
+    """Constrains activation `x` to the sharding its logical `names` map to (no-op without a context)."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh)))
+
+
+def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, length, ...] input array."""
+    return NamedSharding(mesh, logical_to_spec(("batch", "length") + (None,) * (ndim - 2), rules, mesh))
+
+
+def data_parallel_size(mesh, rules) -> int:
+    """How many ways the batch dimension is split."""
+    spec = logical_to_spec(("batch",), rules, mesh)
+    axes = spec[0] if len(spec) else None
+    axes = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size

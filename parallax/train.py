@@ -1,0 +1,336 @@
+"""The trainer: config checks, sharded state, the pure train step, the loop, eval, metrics, checkpoints.
+
+`train_step(state, batch) -> (state, metrics)` is a pure function jitted once with explicit in/out
+shardings and donated state. The state is a dict of pure pytrees: `{'step', 'params', 'opt_state'}`; the
+data position is the step, since a batch is a function of (seed, step). The loss is the weighted token
+mean over the *global* batch: with `train.microbatches = M` each microbatch contributes its weighted loss
+sum divided by the global weight total, so accumulation is exact, not an average of averages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models.llama import Llama, LlamaConfig, loss_sum
+from parallax import checkpoint as ckpt_lib
+from parallax import data as data_lib
+from parallax import mesh as mesh_lib
+from parallax import optim, sharding
+from parallax.config import ConfigError
+
+_DTYPES = ("float32", "bfloat16")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. a non-finite loss); the message says what to change."""
+
+
+def check_config(config, num_devices: int) -> dict[str, int]:
+    """Raises ConfigError (one line: key, value, fix) for anything that would fail later. Returns axis sizes."""
+    sizes = mesh_lib.resolve_axis_sizes(config.mesh, num_devices)
+    m, t = config.model, config.train
+    for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size"):
+        if int(m[key]) <= 0:
+            raise ConfigError(f"config.model.{key}={m[key]}: must be positive")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"config.model.num_heads={m.num_heads}: not divisible by num_kv_heads={m.num_kv_heads}; "
+                          f"make num_heads a multiple of num_kv_heads")
+    if not m.head_dim and m.d_model % m.num_heads:
+        raise ConfigError(f"config.model.d_model={m.d_model}: not divisible by num_heads={m.num_heads}; "
+                          f"change one, or set model.head_dim explicitly")
+    if (m.head_dim or m.d_model // m.num_heads) % 2:
+        raise ConfigError(f"config.model.head_dim={m.head_dim or m.d_model // m.num_heads}: RoPE needs an even head_dim")
+    tp = sizes["tensor"]
+    for key in ("num_heads", "num_kv_heads", "vocab_size", "d_ff"):
+        if m[key] % tp:
+            raise ConfigError(f"config.model.{key}={m[key]}: not divisible by mesh.tensor={tp}; "
+                              f"use a tensor size that divides it")
+    if m.d_model % sizes["fsdp"]:
+        raise ConfigError(f"config.model.d_model={m.d_model}: not divisible by mesh.fsdp={sizes['fsdp']}")
+    if m.dtype not in _DTYPES:
+        raise ConfigError(f"config.model.dtype={m.dtype!r}: expected one of {', '.join(_DTYPES)}")
+    if m.remat not in ("none", "full", "dots"):
+        raise ConfigError(f"config.model.remat={m.remat!r}: expected one of none, full, dots")
+    if sizes["pipe"] > 1:
+        raise ConfigError(f"config.mesh.pipe={sizes['pipe']}: pipeline parallelism is not available yet; "
+                          f"set mesh.pipe=1")
+    rules = sharding.make_rules(_rule_overrides(config))
+    dp = _batch_ways(sizes, rules)
+    if t.microbatches <= 0:
+        raise ConfigError(f"config.train.microbatches={t.microbatches}: must be >= 1")
+    if t.global_batch_size % (dp * t.microbatches):
+        raise ConfigError(
+            f"config.train.global_batch_size={t.global_batch_size}: must be divisible by data-parallel size {dp} "
+            f"x microbatches {t.microbatches} = {dp * t.microbatches}")
+    if t.seq_len % sizes["seq"]:
+        raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq={sizes['seq']}")
+    if t.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
+    if config.data.source == "text" and m.vocab_size < 256:
+        raise ConfigError(f"config.model.vocab_size={m.vocab_size}: byte-level text needs vocab_size >= 256")
+    return sizes
+
+
+def _rule_overrides(config) -> dict:
+    def norm(v):
+        return None if isinstance(v, str) and v.lower() in ("", "none") else v
+    return {k: norm(v) for k, v in dict(config.sharding.rules).items()}
+
+
+def _batch_ways(sizes, rules) -> int:
+    target = rules["batch"]
+    axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+    return math.prod(sizes[a] for a in axes)
+
+
+def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
+    """Optimizer leaves mirroring a parameter get its sharding; everything else is replicated."""
+    by_path = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
+        by_path[tuple(k.key for k in path)] = s
+    replicated = NamedSharding(mesh, P())
+
+    def one(path, leaf):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        for start in range(len(keys)):
+            s = by_path.get(keys[start:])
+            if s is not None and len(s.spec) <= leaf.ndim:
+                return s
+        return replicated
+    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
+class Trainer:
+    """Everything derived from a config and a mesh: shapes, shardings, optimizer, and the jitted steps."""
+
+    def __init__(self, config, devices=None):
+        devices = list(jax.devices() if devices is None else devices)
+        check_config(config, len(devices))
+        self.config = config
+        self.mesh = mesh_lib.make_mesh(config.mesh, devices)
+        self.rules = sharding.make_rules(_rule_overrides(config))
+        self.model_cfg = LlamaConfig.from_config(config.model)
+        self.microbatches = int(config.train.microbatches)
+
+        abstract_model = nnx.eval_shape(lambda: Llama(self.model_cfg, nnx.Rngs(0)))
+        self.graphdef, abstract_state = nnx.split(abstract_model)
+        self.logical = sharding.param_logical_names(abstract_state)
+        self.abstract_params = nnx.to_pure_dict(abstract_state)
+        self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, self.rules)
+        self.schedule = optim.lr_schedule(config.optim, config.train.steps)
+        self.tx = optim.make_optimizer(config.optim, config.train.steps, self.logical)
+        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+        replicated = NamedSharding(self.mesh, P())
+        self.state_shardings = {
+            "step": replicated,
+            "params": self.param_shardings,
+            "opt_state": _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh),
+        }
+        self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+        self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params))
+
+        self._init = jax.jit(self._init_state, static_argnums=0, out_shardings=self.state_shardings)
+        self.loss_and_grads = jax.jit(self._loss_and_grads, out_shardings=(replicated, self.param_shardings))
+        self.train_step = jax.jit(self._train_step, donate_argnums=0,
+                                  in_shardings=(self.state_shardings, self.batch_sharding),
+                                  out_shardings=(self.state_shardings, replicated))
+        self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
+
+    # --- pure functions -------------------------------------------------------------------------------
+
+    def _init_state(self, seed: int):
+        params = nnx.to_pure_dict(nnx.state(Llama(self.model_cfg, nnx.Rngs(seed))))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+
+    def _model_loss_sum(self, params, batch):
+        with sharding.activation_sharding(self.mesh, self.rules):
+            return loss_sum(nnx.merge(self.graphdef, params), batch)
+
+    def _loss_and_grads(self, params, batch):
+        """Mean token loss over the global batch and its gradients (fp32), accumulated over microbatches."""
+        total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        grad_fn = jax.value_and_grad(lambda p, mb: self._model_loss_sum(p, mb) / total)
+        m = self.microbatches
+        if m == 1:
+            return grad_fn(params, batch)
+
+        def split(x):  # (B, T) -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each shard stays local
+            b = x.shape[0]
+            x = x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
+            spec = sharding.logical_to_spec((None, "batch", "length"), self.rules, self.mesh)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        def body(carry, mb):
+            loss_acc, grad_acc = carry
+            loss, grads = grad_fn(params, mb)
+            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
+            return (loss_acc + loss, grad_acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jax.tree.map(split, batch))
+        return loss, grads
+
+    def _train_step(self, state, batch):
+        loss, grads = self._loss_and_grads(state["params"], batch)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+               "opt_state": opt_state}
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if self.config.train.nan_policy == "skip":  # keep the old weights, still advance the step
+            new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),
+                                                        {k: new[k] for k in ("params", "opt_state")},
+                                                        {k: state[k] for k in ("params", "opt_state")})}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]),
+                   "finite": finite}
+        return new, metrics
+
+    def _eval_step(self, params, batch):
+        return jnp.stack([self._model_loss_sum(params, batch), jnp.sum(batch["weights"])])
+
+    # --- host side -----------------------------------------------------------------------------------
+
+    def init_state(self, seed: int | None = None):
+        """Creates the state directly sharded (nothing is materialised whole on one device)."""
+        return self._init(int(self.config.train.seed if seed is None else seed))
+
+    def device_batch(self, batch: dict) -> dict:
+        return data_lib.to_global(batch, self.batch_sharding, self.config.train.global_batch_size)
+
+
+def shape_check(config, num_devices: int) -> dict:
+    """Checks a config for `num_devices` devices by shape inference only (nothing is allocated).
+
+    Runs the config checks, derives every parameter's sharding on an abstract mesh (so divisibility is
+    checked) and traces the loss and gradients with `jax.eval_shape`. Returns parameter and token counts.
+    """
+    sizes = check_config(config, num_devices)
+    mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+    rules = sharding.make_rules(_rule_overrides(config))
+    cfg = LlamaConfig.from_config(config.model)
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
+    logical = sharding.param_logical_names(abstract_state)
+    params = nnx.to_pure_dict(abstract_state)
+    jax.tree.map(lambda p, names: sharding.logical_to_spec(names, rules, mesh, p.shape, f"parameter {names}"),
+                 params, logical, is_leaf=lambda x: isinstance(x, tuple))
+    rows = config.train.global_batch_size // config.train.microbatches
+    batch = {k: jax.ShapeDtypeStruct((rows, config.train.seq_len), jnp.float32 if k == "weights" else jnp.int32)
+             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    loss, grads = jax.eval_shape(jax.value_and_grad(lambda p, b: loss_sum(nnx.merge(graphdef, p), b)), params, batch)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    return {"params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)), "loss_shape": loss.shape}
+
+
+@dataclasses.dataclass
+class TrainResult:
+    history: list  # one metrics dict per logged step
+    eval_loss: float | None
+    state: dict
+    trainer: Trainer
+
+
+def make_dataset(config) -> data_lib.Dataset:
+    d, t = config.data, config.train
+    try:
+        return data_lib.make_dataset(
+            d.source, d.path, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=t.seed,
+            vocab_size=config.model.vocab_size, eval_fraction=d.eval_fraction,
+            eos_id=None if d.eos_id < 0 else d.eos_id)
+    except data_lib.DataError as e:
+        raise ConfigError(f"config.data: {e}") from None
+
+
+def evaluate(trainer: Trainer, params, dataset, num_batches: int) -> float:
+    """Mean token loss over the first `num_batches` batches of the eval split."""
+    total = np.zeros(2)
+    for i in range(num_batches):
+        batch = trainer.device_batch(dataset.batch(i, "eval", process_index=jax.process_index(),
+                                                   process_count=jax.process_count()))
+        total += np.asarray(trainer.eval_step(params, batch))
+    return float(total[0] / max(total[1], 1.0))
+
+
+def _progress(step, steps, width=20):
+    done = int(width * step / max(steps, 1))
+    return "[" + "#" * done + "-" * (width - done) + f"] {100 * step / max(steps, 1):3.0f}%"
+
+
+def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainResult:
+    """Trains `config` in `workdir`, resuming from its latest checkpoint; the library entry point."""
+    trainer = Trainer(config, devices)
+    dataset = make_dataset(config)
+    t = config.train
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {trainer.num_params / 1e6:.2f}M params; "
+        f"{dataset.describe()}")
+
+    checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), t.checkpoint_every,
+                                         t.keep_checkpoints, async_save=t.async_checkpoint)
+    state = trainer.init_state()
+    start = checkpointer.latest_step()
+    if start is not None:
+        state = checkpointer.restore(ckpt_lib.abstract_like(state), start)
+        log(f"resumed from {checkpointer.directory} at step {start}")
+    step = first_step = int(state["step"])
+
+    stop = {"signal": None}
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    history, eval_loss, tokens_per_step = [], None, t.global_batch_size * t.seq_len
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    run_start = time.perf_counter()
+    try:
+        while step < t.steps:
+            batch = trainer.device_batch(dataset.batch(step, process_index=jax.process_index(),
+                                                       process_count=jax.process_count()))
+            tic = time.perf_counter()
+            state, metrics = trainer.train_step(state, batch)
+            metrics = jax.device_get(metrics)
+            dt = time.perf_counter() - tic
+            step += 1
+            if not metrics["finite"]:
+                if t.nan_policy == "stop":
+                    raise TrainingError(
+                        f"step {step}: non-finite loss or gradient (loss {float(metrics['loss'])}, grad_norm "
+                        f"{float(metrics['grad_norm'])}); stopped without saving this step. Lower optim.lr, check the data, or set "
+                        f"train.nan_policy=skip")
+                log(f"step {step}: non-finite loss, update skipped (train.nan_policy=skip)")
+            record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                      "lr": float(metrics["lr"]), "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt}
+            if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):
+                eval_loss = evaluate(trainer, state["params"], dataset, t.eval_batches)
+                record["eval_loss"] = eval_loss
+            if step % t.log_every == 0 or step == t.steps or "eval_loss" in record:
+                history.append(record)
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                done = step - first_step
+                eta = (time.perf_counter() - run_start) / max(done, 1) * (t.steps - step)
+                line = (f"{_progress(step, t.steps)} step {step}/{t.steps} loss {record['loss']:.4f} "
+                        f"grad_norm {record['grad_norm']:.3f} lr {record['lr']:.2e} "
+                        f"{record['tokens_per_sec']:,.0f} tok/s {dt:.3f} s/step eta {eta:.0f}s")
+                if "eval_loss" in record:
+                    line += f" eval_loss {eval_loss:.4f}"
+                log(line)
+            checkpointer.maybe_save(step, state, force=step == t.steps or stop["signal"] is not None)
+            if stop["signal"] is not None:
+                log(f"received signal {stop['signal']}: saved step {step}, exiting cleanly")
+                break
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        checkpointer.close()
+    return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer)

@@ -1,0 +1,63 @@
+"""Config contracts: every config file shape-checks; bad input exits 2 with one line naming the fix."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+from parallax.config import ConfigError, apply_override, load_config_file
+from parallax.train import shape_check
+
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+DEVICES = {"llama3_8b.py": 64, "llama3_70b.py": 256}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_file_loads_and_passes_shape_inference(path):
+    config = load_config_file(path)
+    result = shape_check(config, DEVICES.get(os.path.basename(path), 8))
+    assert result["params"] > 0 and result["loss_shape"] == ()
+
+
+def test_llama3_configs_have_the_published_sizes():
+    assert shape_check(load_config_file(os.path.join(ROOT, "configs/llama3_8b.py")), 64)["params"] == 8_030_261_248
+    assert shape_check(load_config_file(os.path.join(ROOT, "configs/llama3_70b.py")), 256)["params"] == 70_553_706_496
+
+
+def test_override_parses_to_the_key_type():
+    config = load_config_file(os.path.join(ROOT, "configs/tiny.py"))
+    apply_override(config, "train.steps", "7")
+    apply_override(config, "optim.lr", "0.5")
+    apply_override(config, "train.async_checkpoint", "false")
+    apply_override(config, "sharding.rules.batch", "data,fsdp")
+    assert (config.train.steps, config.optim.lr, config.train.async_checkpoint) == (7, 0.5, False)
+    assert config.sharding.rules.batch == ("data", "fsdp")
+    with pytest.raises(ConfigError, match="unknown key 'stepz'"):
+        apply_override(config, "train.stepz", "1")
+
+
+BAD = [
+    (["--config.mesh.data=3"], "config.mesh (data=3) has 3 devices but 8"),
+    (["--config.mesh.data=8", "--config.train.global_batch_size=12"], "global_batch_size=12"),
+    (["--config.mesh.data=8", "--config.train.microbatches=3"], "microbatches 3"),
+    (["--config.model.num_heads=6"], "num_heads=6"),
+    (["--config.mesh.data=2", "--config.mesh.tensor=4", "--config.model.num_kv_heads=2"], "num_kv_heads=2: not divisible by mesh.tensor=4"),
+    (["--config.train.stepz=5"], "unknown key 'stepz'"),
+    (["--config.train.steps=many"], "expected an int"),
+    (["--config.model.dtype=float16"], "dtype='float16'"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_exits_2_with_one_line(args, expected, tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
+           f"--workdir={tmp_path}", "--cpu_devices=8", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert expected in lines[0]
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))

@@ -1,0 +1,83 @@
+"""Data / FSDP parity with the 1-device model, gradient accumulation, sharded init, NaN stop."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import max_leaf_rel_err, rel_err, tiny_config
+from parallax.train import Trainer, TrainingError, make_dataset, train_and_evaluate
+
+TOL = 1e-5
+
+
+def _loss_grads_and_steps(config, devices, steps=5):
+    trainer = Trainer(config, devices=devices)
+    data = make_dataset(config)
+    state = trainer.init_state()
+    batch = trainer.device_batch(data.batch(0))
+    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], batch))
+    losses = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+        losses.append(float(metrics["loss"]))
+    return float(loss), grads, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _loss_grads_and_steps(tiny_config(), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh", [dict(data=8), dict(fsdp=8), dict(data=2, fsdp=4)], ids=str)
+def test_data_fsdp_loss_and_grads_match_single_device(reference, mesh):
+    ref_loss, ref_grads, ref_losses = reference
+    loss, grads, losses = _loss_grads_and_steps(tiny_config(**mesh), jax.devices())
+    assert rel_err(loss, ref_loss) <= TOL
+    err, where = max_leaf_rel_err(grads, ref_grads)
+    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
+    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+
+
+def test_gradient_accumulation_matches_one_big_batch(reference):
+    ref_loss, ref_grads, ref_losses = reference
+    config = tiny_config(data=2, fsdp=4)
+    config.train.microbatches = 4
+    config.train.global_batch_size = 32
+    big = tiny_config(data=2, fsdp=4)
+    big.train.global_batch_size = 32
+    loss, grads, losses = _loss_grads_and_steps(config, jax.devices())
+    big_loss, big_grads, big_losses = _loss_grads_and_steps(big, jax.devices())
+    assert rel_err(loss, big_loss) <= TOL
+    err, where = max_leaf_rel_err(grads, big_grads)
+    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
+    np.testing.assert_allclose(losses, big_losses, rtol=TOL)
+
+
+def test_params_are_created_sharded():
+    config = tiny_config(data=2, fsdp=2, tensor=2)
+    trainer = Trainer(config)
+    compiled = trainer._init.lower(0).compile()
+    out = compiled.output_shardings["params"]
+    checked = 0
+    for (path, sharding), spec_sharding in zip(jax.tree_util.tree_flatten_with_path(out)[0],
+                                               jax.tree.leaves(trainer.param_shardings)):
+        shape = jax.tree.leaves(trainer.abstract_params)[checked].shape
+        checked += 1
+        if any(axis is not None for axis in spec_sharding.spec):
+            assert not sharding.is_fully_replicated, jax.tree_util.keystr(path)
+            assert sharding.shard_shape(shape) != tuple(shape), jax.tree_util.keystr(path)
+    sharded = [s for s in jax.tree.leaves(trainer.param_shardings) if any(a is not None for a in s.spec)]
+    assert len(sharded) >= 8  # every matrix is sharded by fsdp and/or tensor on this mesh
+    state = trainer.init_state()
+    wq = state["params"]["blocks"]["wq"]
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 2, 8)}  # (L, D/fsdp, H/tensor, Dh)
+
+
+def test_nan_loss_stops_with_clear_message(tmp_path):
+    config = tiny_config(data=8)
+    config.optim.lr = 1e30
+    config.optim.warmup_steps = 0
+    config.optim.clip_norm = 0.0
+    config.train.checkpoint_every = 0
+    with pytest.raises(TrainingError, match=r"step \d+: non-finite loss or gradient .*nan_policy=skip"):
+        train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
