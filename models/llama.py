@@ -3,8 +3,17 @@
 The layers are stored stacked (every block parameter has a leading `layers` dimension) and run with one
 `lax.scan`, so compile time does not grow with depth and the pipeline can cut the stack into chunks
 (`apply_layers` runs any slice of it). Every parameter carries logical axis names (`logical` metadata) that
-`parallax.sharding` maps onto the mesh. Attention is causal *by position* within a packed document: a token
-attends to tokens of the same segment whose position is not larger than its own.
+`parallax.sharding` maps onto the mesh.
+
+One implementation serves every mesh. The methods take a `Parallelism` (default `DENSE`: the plain
+single-program model that GSPMD shards over data / FSDP). Under tensor or sequence parallelism the same
+code runs per rank inside `parallax.parallel.manual.shard_loss`, on local shards: the residual stream is
+[B, T/(s*t), D], weights hold H/t heads, F/t hidden units and V/t vocabulary rows, and the few parallel
+points (`gather_seq` / `scatter_seq` around the projections, `attend` over `seq`, the vocabulary-parallel
+embedding and cross-entropy) add the collectives; shapes below are the dense ones.
+
+Attention is causal *by position* within a packed document: a token attends to tokens of the same segment
+whose position is not larger than its own.
 
 Shapes: B batch, T length, D d_model, H query heads, K kv heads, Dh head_dim, F d_ff, V vocab, L layers.
 """
@@ -18,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from parallax.parallel import vocab
+from parallax.parallel.manual import DENSE, Parallelism
 from parallax.sharding import constrain
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -103,23 +114,34 @@ class Blocks(nnx.Module):
         self.w_up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), std)
         self.w_down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), out_std)
 
-    def layer(self, x, segment_ids, positions):
-        """One decoder layer; called on a merged slice whose parameters have no `layers` dim. x: [B, T, D]."""
+    def weight(self, name, par: Parallelism):
+        """This layer's weight `name` (no `layers` dim), with any FSDP shards gathered under `par`."""
+        var = getattr(self, name)
+        return par.unshard(var[...], var.get_metadata()["logical"][1:])
+
+    def layer(self, x, segment_ids, positions, par: Parallelism = DENSE):
+        """One decoder layer; called on a merged slice whose parameters have no `layers` dim. x: [B, T, D].
+
+        Under `par` x is this rank's [B, T/(s*t), D]; segment_ids, positions are [B, T/s].
+        """
         cfg, dt = self.cfg, self.cfg.compute_dtype
-        h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-        q = jnp.einsum("btd,dhk->bthk", h, self.wq[...].astype(dt))  # (B, T, H, Dh)
-        k = jnp.einsum("btd,dhk->bthk", h, self.wk[...].astype(dt))  # (B, T, K, Dh)
-        v = jnp.einsum("btd,dhk->bthk", h, self.wv[...].astype(dt))  # (B, T, K, Dh)
+        h = par.gather_seq(rms_norm(x, self.weight("attn_norm", par), cfg.norm_eps))  # (B, T, D)
+        q = jnp.einsum("btd,dhk->bthk", h, self.weight("wq", par).astype(dt))  # (B, T, H, Dh)
+        k = jnp.einsum("btd,dhk->bthk", h, self.weight("wk", par).astype(dt))  # (B, T, K, Dh)
+        v = jnp.einsum("btd,dhk->bthk", h, self.weight("wv", par).astype(dt))  # (B, T, K, Dh)
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None))
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None))
-        a = dense_attention(q, k, v, segment_ids, positions)  # (B, T, H, Dh)
-        x = x + jnp.einsum("bthk,hkd->btd", a, self.wo[...].astype(dt))
+        if par.seq > 1:
+            a = par.attend(q, k, v, segment_ids, positions)  # (B, T, H, Dh)
+        else:
+            a = dense_attention(q, k, v, segment_ids, positions)  # (B, T, H, Dh)
+        x = x + par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, self.weight("wo", par).astype(dt)))
         x = constrain(x, ("batch", "length", "act_embed"))
-        h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-        gate = jnp.einsum("btd,df->btf", h, self.w_gate[...].astype(dt))  # (B, T, F)
-        up = jnp.einsum("btd,df->btf", h, self.w_up[...].astype(dt))  # (B, T, F)
+        h = par.gather_seq(rms_norm(x, self.weight("mlp_norm", par), cfg.norm_eps))  # (B, T, D)
+        gate = jnp.einsum("btd,df->btf", h, self.weight("w_gate", par).astype(dt))  # (B, T, F)
+        up = jnp.einsum("btd,df->btf", h, self.weight("w_up", par).astype(dt))  # (B, T, F)
         act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        x = x + jnp.einsum("btf,fd->btd", act, self.w_down[...].astype(dt))
+        x = x + par.scatter_seq(jnp.einsum("btf,fd->btd", act, self.weight("w_down", par).astype(dt)))
         return constrain(x, ("batch", "length", "act_embed"))
 
 
@@ -129,14 +151,14 @@ _REMAT_POLICIES = {
 }
 
 
-def apply_layers(graphdef, stacked, x, segment_ids, positions, remat: str = "none"):
+def apply_layers(graphdef, stacked, x, segment_ids, positions, remat: str = "none", par: Parallelism = DENSE):
     """Runs the layers whose parameters are `stacked` (leading dim = layers) with one lax.scan.
 
     `graphdef` is `nnx.split(model.blocks)[0]`; `stacked` is a pure dict of arrays [Lc, ...]. Used by the
     model for the whole stack and by the pipeline for one chunk of it.
     """
     def body(h, layer_params):
-        return nnx.merge(graphdef, layer_params).layer(h, segment_ids, positions), None
+        return nnx.merge(graphdef, layer_params).layer(h, segment_ids, positions, par), None
 
     if remat != "none":
         if remat not in _REMAT_POLICIES:
@@ -156,20 +178,28 @@ class Llama(nnx.Module):
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), logical=("norm",))
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
-    def embed_tokens(self, tokens):
-        """tokens [B, T] int -> activations [B, T, D] in the compute dtype."""
-        table = constrain(self.embed[...], ("vocab", None))  # gather FSDP shards of the table before the lookup
+    def embed_tokens(self, tokens, par: Parallelism = DENSE):
+        """tokens [B, T] int -> activations [B, T, D] in the compute dtype.
+
+        With tensor > 1: vocabulary-parallel lookup, reduce-scattered to the rank's [B, T/(s*t), D].
+        """
+        if par.tensor > 1:
+            table = par.unshard(self.embed[...], self.embed.get_metadata()["logical"])  # (V/t, D)
+            return vocab.vocab_parallel_embed(table.astype(self.cfg.compute_dtype), tokens)  # (B, T/t, D)
+        table = par.unshard(self.embed[...], self.embed.get_metadata()["logical"])  # (V, D)
+        table = constrain(table, ("vocab", None))  # gather FSDP shards of the table before the lookup
         x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)
         return constrain(x, ("batch", "length", "act_embed"))
 
-    def run_layers(self, x, segment_ids, positions):
+    def run_layers(self, x, segment_ids, positions, par: Parallelism = DENSE):
         graphdef, stacked = nnx.split(self.blocks)
-        return apply_layers(graphdef, nnx.to_pure_dict(stacked), x, segment_ids, positions, self.cfg.remat)
+        return apply_layers(graphdef, nnx.to_pure_dict(stacked), x, segment_ids, positions, self.cfg.remat, par)
 
-    def logits(self, x):
-        """Final norm and head. x [B, T, D] -> logits [B, T, V] in fp32."""
-        h = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
-        logits = jnp.einsum("btd,dv->btv", h, self.head[...].astype(h.dtype), preferred_element_type=jnp.float32)
+    def logits(self, x, par: Parallelism = DENSE):
+        """Final norm and head. x [B, T, D] -> logits [B, T, V] in fp32 (this rank's [B, T/s, V/t] under par)."""
+        h = par.gather_seq(rms_norm(x, self.final_norm[...], self.cfg.norm_eps))  # (B, T, D)
+        head = par.unshard(self.head[...], self.head.get_metadata()["logical"])  # (D, V)
+        logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
     def __call__(self, tokens, segment_ids, positions):
@@ -185,7 +215,17 @@ def cross_entropy_sum(logits, targets, weights):
     return jnp.sum((logz - target_logit) * weights)
 
 
-def loss_sum(model: Llama, batch) -> jax.Array:
-    """Weighted cross-entropy summed over the batch's tokens (the caller divides by the weight total)."""
-    logits = model(batch["inputs"], batch["segment_ids"], batch["positions"])
-    return cross_entropy_sum(logits, batch["targets"], batch["weights"])
+def loss_sum(model: Llama, batch, par: Parallelism = DENSE) -> jax.Array:
+    """Weighted cross-entropy summed over the batch's tokens (the caller divides by the weight total).
+
+    Under `par` (inside `shard_loss`) the batch arrays are the rank's [B/dp, T/s]; the result is the global
+    sum on every rank: vocabulary-parallel cross-entropy over `tensor`, then a psum over the batch axes and `seq`.
+    """
+    x = model.embed_tokens(batch["inputs"], par)
+    x = model.run_layers(x, batch["segment_ids"], batch["positions"], par)
+    logits = model.logits(x, par)
+    if par.tensor > 1:
+        loss = vocab.vocab_parallel_cross_entropy(logits, batch["targets"], batch["weights"])
+    else:
+        loss = cross_entropy_sum(logits, batch["targets"], batch["weights"])
+    return par.sum_tokens(loss)

@@ -13,7 +13,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, pipe=1, expert=1, seq=1, tensor=1))
     c.model = ml_collections.ConfigDict(dict(
         num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=256, head_dim=0,
-        dtype="float32", rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, remat="none"))
+        dtype="float32", rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, remat="none",
+        attention="dense"))  # dense | ulysses | ring: attention over mesh.seq > 1
     c.train = ml_collections.ConfigDict(dict(
         steps=100, global_batch_size=8, seq_len=64, seed=0, microbatches=1, log_every=10, eval_every=50,
         eval_batches=2, checkpoint_every=50, keep_checkpoints=2, async_checkpoint=True, nan_policy="stop",

@@ -30,6 +30,8 @@ from parallax import data as data_lib
 from parallax import mesh as mesh_lib
 from parallax import optim, sharding
 from parallax.config import ConfigError
+from parallax.parallel.manual import Parallelism, shard_loss
+from parallax.parallel.sequence import check_sequence_parallel
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -53,8 +55,8 @@ def check_config(config, num_devices: int) -> dict[str, int]:
                           f"change one, or set model.head_dim explicitly")
     if (m.head_dim or m.d_model // m.num_heads) % 2:
         raise ConfigError(f"config.model.head_dim={m.head_dim or m.d_model // m.num_heads}: RoPE needs an even head_dim")
-    tp = sizes["tensor"]
-    for key in ("num_heads", "num_kv_heads", "vocab_size", "d_ff"):
+    tp, sp = sizes["tensor"], sizes["seq"]
+    for key in ("num_heads", "num_kv_heads", "vocab_size", "d_ff"):  # as parallel.tensor.check_tensor_parallel
         if m[key] % tp:
             raise ConfigError(f"config.model.{key}={m[key]}: not divisible by mesh.tensor={tp}; "
                               f"use a tensor size that divides it")
@@ -75,8 +77,21 @@ def check_config(config, num_devices: int) -> dict[str, int]:
         raise ConfigError(
             f"config.train.global_batch_size={t.global_batch_size}: must be divisible by data-parallel size {dp} "
             f"x microbatches {t.microbatches} = {dp * t.microbatches}")
-    if t.seq_len % sizes["seq"]:
-        raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq={sizes['seq']}")
+    if t.seq_len % (sp * tp):
+        raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq*mesh.tensor={sp * tp} "
+                          f"(the residual stream is split over both); use a multiple of {sp * tp}")
+    if m.attention not in ("dense", "ulysses", "ring"):
+        raise ConfigError(f"config.model.attention={m.attention!r}: expected one of dense, ulysses, ring")
+    try:
+        check_sequence_parallel(m.attention, sp, m.num_heads // tp, m.num_kv_heads // tp, t.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"config.model.attention={m.attention!r}, mesh.seq={sp} (per tensor rank: "
+                          f"{m.num_heads // tp} heads, {m.num_kv_heads // tp} kv heads): {e}") from None
+    for name, axis in (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
+                       ("length", "seq")):
+        if sizes[axis] > 1 and rules[name] != axis:
+            raise ConfigError(f"config.sharding.rules.{name}={rules[name]!r}: mesh.{axis}={sizes[axis]} runs "
+                              f"explicit {axis} parallelism, which needs {name} -> {axis!r}; restore that rule")
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
     if config.data.source == "text" and m.vocab_size < 256:
@@ -130,6 +145,7 @@ class Trainer:
         self.logical = sharding.param_logical_names(abstract_state)
         self.abstract_params = nnx.to_pure_dict(abstract_state)
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, self.rules)
+        self.parallelism = Parallelism.from_mesh(self.mesh, self.rules, config.model.attention)
         self.schedule = optim.lr_schedule(config.optim, config.train.steps)
         self.tx = optim.make_optimizer(config.optim, config.train.steps, self.logical)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
@@ -156,6 +172,12 @@ class Trainer:
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
 
     def _model_loss_sum(self, params, batch):
+        """Weighted loss sum. Tensor / sequence parallelism run the model per rank inside `shard_loss`."""
+        par = self.parallelism
+        if par.manual:
+            def per_rank(p, b):
+                return loss_sum(nnx.merge(self.graphdef, p), b, par)
+            return shard_loss(per_rank, par, self.mesh, self.logical)(params, batch)
         with sharding.activation_sharding(self.mesh, self.rules):
             return loss_sum(nnx.merge(self.graphdef, params), batch)
 
@@ -185,7 +207,7 @@ class Trainer:
 
     def _train_step(self, state, batch):
         loss, grads = self._loss_and_grads(state["params"], batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                "opt_state": opt_state}

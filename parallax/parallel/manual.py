@@ -1,0 +1,155 @@
+"""The manual region: a model's loss run per rank inside one fully manual `jax.shard_map`.
+
+Owns `Parallelism`, the static description (mesh sizes, rules, attention kind) that model code consults at
+its few parallel points, and `shard_loss`, which wraps a loss in the shard_map. Inside the region every
+array is this rank's piece:
+
+    tokens, targets, weights, segment ids, positions   [B/dp, T/s]          (batch over data/fsdp/expert)
+    residual stream between blocks                     [B/dp, T/(s*t), D]   (sequence also over `tensor`)
+    wq / wk / wv / wo, w_gate / w_up / w_down          heads / kv heads / d_ff split over `tensor`
+    embed [V/t, D], head [D, V/t]                      vocabulary split over `tensor`
+
+Per layer: norm on the sharded stream, `gather_seq` (all-gather over `tensor`), column-parallel q/k/v, local
+heads attend (`dense` when seq == 1, else Ulysses all-to-alls or ring collective-permutes over `seq`),
+row-parallel out projection, `scatter_seq` (reduce-scatter over `tensor`); the MLP the same way. The loss is
+the vocabulary-parallel cross-entropy sum, summed over `seq` and the batch axes. With ring attention each
+rank's tokens are the zigzag chunks i and 2s-1-i instead of chunk i: positions carry causality and the
+loss is a sum over tokens, so a permutation of the sequence changes nothing else. The batch then enters
+the region whole along T (one small all-gather of the int/weight arrays per step) and each rank cuts its
+own two chunks.
+
+Why every axis is manual, data and fsdp too: with a partially manual shard_map (data / fsdp automatic),
+XLA's partitioner all-gathers the batch over `data` around every manual collective, so each data rank
+would run the whole batch. So FSDP is explicit here as well: a weight dimension the rules shard over
+`fsdp` (or any axis but `tensor`) is all-gathered right before use, one layer at a time inside the layer
+scan (`unshard`); autodiff turns that into the reduce-scatter of its gradient (ZeRO-3). Parameters
+replicated over a manual axis (every weight over `data` and `seq`, norms over `tensor`) are cast to
+varying over it at the region's entry, so their gradient reduction (the transpose of the cast, a psum)
+runs once on the stacked weights at the boundary, not once per layer inside the scan.
+
+With tensor == seq == 1 the model runs its dense code (`DENSE`) under the compiler's sharding instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from parallax.parallel import sequence, tensor
+from parallax.sharding import logical_to_spec
+
+# Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
+MODEL_AXES = ("seq", "tensor")
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """How the manual region splits the model. `DENSE` (the default) means no region: plain dense code.
+
+    `mesh_shape` and `rules` are ((name, value), ...) tuples so the description stays immutable.
+    """
+
+    tensor: int = 1
+    seq: int = 1
+    attention: str = "dense"  # dense | ulysses | ring
+    mesh_shape: tuple = ()
+    rules: tuple = ()
+
+    @classmethod
+    def from_mesh(cls, mesh, rules, attention: str) -> "Parallelism":
+        return cls(tensor=mesh.shape["tensor"], seq=mesh.shape["seq"], attention=attention,
+                   mesh_shape=tuple(mesh.shape.items()), rules=tuple(rules.items()))
+
+    @property
+    def manual(self) -> bool:
+        return self.tensor > 1 or self.seq > 1
+
+    def spec(self, names) -> P:
+        return logical_to_spec(names, dict(self.rules), types.SimpleNamespace(shape=dict(self.mesh_shape)))
+
+    def unshard(self, w, names):
+        """All-gathers the dims of weight `w` (logical `names`) sharded over non-model axes, e.g. FSDP's
+        `embed -> fsdp`; the `tensor` split stays. Identity for `DENSE`. Its gradient is a reduce-scatter."""
+        for dim, entry in enumerate(self.spec(names) if self.mesh_shape else ()):
+            gather = tuple(a for a in _axes(entry) if a not in MODEL_AXES)
+            if gather:
+                w = jax.lax.all_gather(w, gather, axis=dim, tiled=True)
+        return w
+
+    def gather_seq(self, x):
+        """[B, T/(s*t), D] -> [B, T/s, D] (all-gather over `tensor`); identity when tensor == 1."""
+        return tensor.gather_seq(x) if self.tensor > 1 else x
+
+    def scatter_seq(self, y):
+        """Partial sums [B, T/s, D] -> [B, T/(s*t), D] (reduce-scatter over `tensor`); identity when tensor == 1."""
+        return tensor.scatter_seq(y) if self.tensor > 1 else y
+
+    def attend(self, q, k, v, segment_ids, positions):
+        """Sequence-parallel attention over `seq` on local heads. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh]."""
+        if self.attention == "ulysses":
+            return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq")
+        if self.attention == "ring":
+            return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq")
+        raise ValueError(f"attention={self.attention!r} cannot run on seq={self.seq}: use 'ulysses' or 'ring'")
+
+    def sum_tokens(self, x):
+        """Sums a per-rank token statistic over the ranks holding other tokens (batch axes and `seq`)."""
+        batch = self.spec(("batch",))
+        axes = (_axes(batch[0]) if len(batch) else ()) + (("seq",) if self.seq > 1 else ())
+        return jax.lax.psum(x, axes) if axes else x
+
+    @property
+    def zigzag(self) -> bool:
+        """Ring attention's batch enters the region whole along T; each rank cuts its zigzag chunks."""
+        return self.attention == "ring" and self.seq > 1
+
+    def local_sequence(self, batch: dict) -> dict:
+        """With `zigzag`: [B, T] batch arrays -> this rank's [B, T/s] in the ring layout (chunks i, 2s-1-i)."""
+        if not self.zigzag:
+            return batch
+        rank = jax.lax.axis_index("seq")
+
+        def mine(a):
+            laid = sequence.ring_layout(a, self.seq, axis=1)  # (B, T) in zigzag order
+            return jax.lax.dynamic_slice_in_dim(laid, rank * (a.shape[1] // self.seq), a.shape[1] // self.seq, 1)
+        return jax.tree.map(mine, batch)
+
+
+DENSE = Parallelism()
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
+def _vary(x, spec: P, mesh):
+    """Casts a parameter replicated over some mesh axes to varying over them (grad psum at the boundary)."""
+    used = {a for entry in spec for a in _axes(entry)}
+    axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def shard_loss(loss_fn, par: Parallelism, mesh, param_logical):
+    """Wraps `loss_fn(params, batch) -> scalar` so it runs per rank in a shard_map manual over every axis.
+
+    `param_logical` is the params tree of logical names; the parameter in_specs are `par.spec` of them
+    (heads / kv_heads / mlp / vocab -> tensor, embed -> fsdp, ...). Batch arrays [B, T] are split by the
+    `batch` and `length` rules. `loss_fn` gets params still sharded over FSDP (the model calls
+    `par.unshard` where it uses a weight) and must return a value reduced over all axes (`par.sum_tokens`).
+    """
+    param_specs = jax.tree.map(par.spec, param_logical, is_leaf=_is_names)
+    batch_spec = par.spec(("batch", None if par.zigzag else "length"))
+
+    def per_rank(params, batch):
+        params = jax.tree.map(lambda p, s: _vary(p, s, mesh), params, param_specs)
+        return loss_fn(params, par.local_sequence(batch))
+
+    region = jax.shard_map(per_rank, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=P(),
+                           axis_names=set(mesh.axis_names))
+    return region

@@ -1,0 +1,270 @@
+"""Sequence-parallel attention: the dense reference, Ulysses and ring attention, and their checks.
+
+Owns attention over a sequence sharded on the `seq` mesh axis. `ulysses_attention` and `ring_attention`
+are called inside a `jax.shard_map` that is manual over `seq` (and usually `tensor`); their inputs are the
+rank's local sequence shard. Both give the same numbers as `attention_reference` (fp32 softmax statistics,
+also for bf16 inputs) on packed documents.
+
+Mask (shared by all three): a query attends a key iff they have the same segment id and
+`kv_position <= q_position`. Causality by positions instead of sequence index makes the mask invariant to
+any permutation of the sequence, so the ring's load-balancing layout needs no mask changes.
+
+Communication per call, forward, per device (s = seq axis size, b = bytes per element, T = full sequence,
+K' = kv heads after Ulysses' GQA repeat, max(K, s)):
+- Ulysses: one all-to-all of packed q|k|v, (s-1)/s * B*(T/s)*(H + 2K')*Dh*b bytes sent; one all-to-all of
+  the output, (s-1)/s * B*(T/s)*H*Dh*b; one all-gather of packed segment ids|positions, B*T*2*4.
+  Backward: the two all-to-alls again (their transposes).
+- Ring: s-1 steps, each one collective-permute of packed k|v, 2*B*(T/s)*K*Dh*b bytes, and one of packed
+  segment ids|positions, 2*B*(T/s)*4 bytes. Backward: s-1 collective-permutes of the k|v cotangents.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Large finite negative logit for masked pairs: exp(MASK - m) == 0 in fp32, and MASK - MASK == 0 stays
+# finite where -inf would give nan.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def check_sequence_parallel(attention: str, seq_size: int, num_heads: int, num_kv_heads: int,
+                            seq_len: int) -> None:
+    """Raises a one-line ValueError naming the fix if `attention` cannot run on `seq_size` ranks.
+
+    `num_heads` / `num_kv_heads` are the heads each `seq` group sees (after any tensor-parallel split).
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}: "
+                         "choose num_kv_heads dividing num_heads")
+    if attention == "dense":
+        if seq_size != 1:
+            raise ValueError(f"attention='dense' with seq axis size {seq_size}: set attention to "
+                             "'ulysses' or 'ring', or set the seq axis size to 1")
+        return
+    if seq_len % seq_size:
+        raise ValueError(f"seq_len={seq_len} is not divisible by the seq axis size {seq_size}: "
+                         f"use a seq_len that is a multiple of {seq_size}")
+    if attention == "ulysses":
+        if num_heads % seq_size:
+            raise ValueError(f"ulysses: num_heads={num_heads} is not divisible by the seq axis size "
+                             f"{seq_size}: use a seq size dividing {num_heads} or attention='ring'")
+        if num_kv_heads % seq_size and seq_size % num_kv_heads:
+            raise ValueError(f"ulysses: num_kv_heads={num_kv_heads} neither divides nor is divisible by "
+                             f"the seq axis size {seq_size}: use a seq size that is a multiple or divisor "
+                             f"of {num_kv_heads}, or attention='ring'")
+    elif attention == "ring":
+        if seq_len % (2 * seq_size):
+            raise ValueError(f"ring: seq_len={seq_len} is not divisible by 2*seq={2 * seq_size} (zigzag "
+                             f"layout): use a seq_len that is a multiple of {2 * seq_size}")
+    else:
+        raise ValueError(f"unknown attention {attention!r}: use 'dense', 'ulysses' or 'ring'")
+
+
+def _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+    """[B, Tq], [B, Tk] ids and positions -> bool [B, Tq, Tk]."""
+    same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # (B, Tq, Tk)
+    causal = kv_positions[:, None, :] <= q_positions[:, :, None]  # (B, Tq, Tk)
+    return same_doc & causal
+
+
+def attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+    """Dense masked grouped-query softmax attention on one device.
+
+    q: [B, Tq, H, Dh]; k, v: [B, Tk, K, Dh] with H % K == 0 (query head h uses kv head h // (H // K));
+    segment ids / positions: [B, Tq] and [B, Tk] int32. Returns [B, Tq, H, Dh] in q's dtype; logits and
+    softmax are fp32.
+    """
+    b, tq, h, dh = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, tq, kh, h // kh, dh)  # (B, Tq, K, G, Dh)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k,
+                        preferred_element_type=jnp.float32) / math.sqrt(dh)  # (B, K, G, Tq, Tk)
+    mask = _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions)  # (B, Tq, Tk)
+    logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)  # (B, K, G, Tq, Tk) fp32
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)  # (B, Tq, K, G, Dh)
+    return out.reshape(b, tq, h, dh).astype(q.dtype)  # (B, Tq, H, Dh)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ulysses
+
+
+def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
+    """All-to-all sequence <-> heads, full-sequence attention on H/s local heads, all-to-all back.
+
+    Local shards: q [B, T/s, H, Dh]; k, v [B, T/s, K, Dh]; segment_ids, positions [B, T/s] (shards in
+    rank order along `axis_name`). Returns [B, T/s, H, Dh]. Needs H % s == 0. GQA: if K % s != 0 but
+    s % K == 0, each kv head is repeated s // K times before the all-to-all (so every rank gets the one
+    kv head its H/s query heads use), which costs (s/K - 1) extra kv heads of all-to-all traffic.
+    """
+    s = jax.lax.axis_size(axis_name)
+    b, tl, h, dh = q.shape
+    kh = k.shape[2]
+    check_sequence_parallel("ulysses", s, h, kh, tl * s)
+    if kh % s:
+        # Query head h uses kv head h // (H/K); after repeating, kv' head j is kv head j // (s/K), and
+        # h // (H/s) // (s/K) == h // (H/K), so the local kv' head serves the local query heads.
+        k = jnp.repeat(k, s // kh, axis=2)  # (B, T/s, s, Dh)
+        v = jnp.repeat(v, s // kh, axis=2)  # (B, T/s, s, Dh)
+        kh = s
+    # Pack q|k|v per destination rank so one all-to-all moves all three.
+    qkv = jnp.concatenate([q.reshape(b, tl, s, h // s, dh),
+                           k.reshape(b, tl, s, kh // s, dh),
+                           v.reshape(b, tl, s, kh // s, dh)], axis=3)  # (B, T/s, s, (H+2K)/s, Dh)
+    qkv = jax.lax.all_to_all(qkv, axis_name, split_axis=2, concat_axis=1,
+                             tiled=True)  # (B, T, 1, (H+2K)/s, Dh)
+    hl, kl = h // s, kh // s
+    q_h = qkv[:, :, 0, :hl]  # (B, T, H/s, Dh)
+    k_h = qkv[:, :, 0, hl:hl + kl]  # (B, T, K/s, Dh)
+    v_h = qkv[:, :, 0, hl + kl:]  # (B, T, K/s, Dh)
+    seg_pos = jnp.stack([segment_ids, positions], axis=-1)  # (B, T/s, 2)
+    seg_pos = jax.lax.all_gather(seg_pos, axis_name, axis=1, tiled=True)  # (B, T, 2)
+    seg, pos = seg_pos[..., 0], seg_pos[..., 1]  # (B, T) each
+    out = attention_reference(q_h, k_h, v_h, seg, seg, pos, pos)  # (B, T, H/s, Dh)
+    return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2,
+                              tiled=True)  # (B, T/s, H, Dh)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ring
+
+
+def _zigzag_order(s: int):
+    """Chunk order of the zigzag layout: rank i holds chunks i and 2s-1-i of the 2s chunks."""
+    return [c for i in range(s) for c in (i, 2 * s - 1 - i)]
+
+
+def ring_layout(x, s: int, axis: int = 1):
+    """Reorders the full sequence on `axis` into the zigzag layout for `s` ring ranks.
+
+    The sequence is cut into 2s chunks; after sharding the result contiguously over `seq`, rank i holds
+    chunks i and 2s-1-i, so every rank has the same amount of causally unmasked work.
+    """
+    t = x.shape[axis]
+    if t % (2 * s):
+        raise ValueError(f"ring_layout: sequence length {t} is not divisible by 2*seq={2 * s}: "
+                         f"use a seq_len that is a multiple of {2 * s}")
+    chunks = jnp.split(x, 2 * s, axis=axis)  # 2s x (..., T/2s, ...)
+    return jnp.concatenate([chunks[c] for c in _zigzag_order(s)], axis=axis)
+
+
+def ring_unlayout(x, s: int, axis: int = 1):
+    """Inverse of `ring_layout`: zigzag layout back to sequence order."""
+    order = _zigzag_order(s)
+    chunks = jnp.split(x, 2 * s, axis=axis)  # 2s x (..., T/2s, ...)
+    return jnp.concatenate([chunks[order.index(c)] for c in range(2 * s)], axis=axis)
+
+
+def _online_update(state, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+    """Adds one K/V block to the running softmax of a query block.
+
+    state = (m [B, K, G, Tq] running max, l [B, K, G, Tq] running sum, o [B, Tq, K, G, Dh] running
+    numerator), all fp32; q [B, Tq, K, G, Dh]; k, v [B, Tk, K, Dh]. The result o / l does not depend on
+    m, so m carries no gradient.
+    """
+    m, l, o = state
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k,
+                        preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])  # (B,K,G,Tq,Tk)
+    mask = _mask(q_seg, kv_seg, q_pos, kv_pos)[:, None, None]  # (B, 1, 1, Tq, Tk)
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    m_new = jax.lax.stop_gradient(jnp.maximum(m, logits.max(axis=-1)))  # (B, K, G, Tq)
+    # Zero the masked pairs explicitly: in a row with no unmasked key yet, m_new == MASK_VALUE and
+    # exp(0) == 1. Shifting the masked logits first keeps exp finite, so its gradient has no inf * 0.
+    p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)  # (B, K, G, Tq, Tk)
+    corr = jnp.exp(m - m_new)  # (B, K, G, Tq)
+    l_new = l * corr + p.sum(axis=-1)  # (B, K, G, Tq)
+    pv = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32)  # (B, Tq, K, G, Dh)
+    o_new = o * jnp.moveaxis(corr, 3, 1)[..., None] + pv  # (B, Tq, K, G, Dh)
+    return m_new, l_new, o_new
+
+
+# Recompute each block's logits in the backward pass instead of storing them: autodiff then keeps only
+# the block inputs and running state per ring step (linear in T), not s blocks of probabilities.
+_online_update_remat = jax.checkpoint(_online_update)
+
+
+def _take(state, sl):
+    """Slices the query dimension of a running-softmax state."""
+    m, l, o = state
+    return m[..., sl], l[..., sl], o[:, sl]
+
+
+def _put(state, sl, part):
+    """Writes `part` into the query slice `sl` of a running-softmax state."""
+    m, l, o = state
+    pm, pl, po = part
+    return m.at[..., sl].set(pm), l.at[..., sl].set(pl), o.at[:, sl].set(po)
+
+
+def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
+    """Causal ring attention with zigzag load balancing and exact online softmax.
+
+    Local shards in `ring_layout` order: q [B, 2c, H, Dh]; k, v [B, 2c, K, Dh]; segment_ids, positions
+    [B, 2c] with c = T / (2s); rank i holds chunks (i, 2s-1-i). Returns [B, 2c, H, Dh] in that layout.
+
+    K/V blocks (with their segment ids / positions) move one rank forward per step (s-1 collective-
+    permutes of k|v and of ids|positions; the Python loop is unrolled so XLA can overlap the next permute
+    with the current block). Skipping: a key can only be unmasked for a query that comes no later in the
+    original order. At step j>0 rank i holds the blocks of rank (i - j) mod s; if that rank is lower
+    (j <= i) only its early chunk can be seen, by both local chunks; otherwise only the late local chunk
+    sees anything, of both blocks. Either way 2 of 4 chunk pairs are computed (`lax.cond`), and 3 of 4
+    on the diagonal step: 2s+1 chunk pairs per rank, the same on every rank, which is the causal minimum.
+
+    The skip is exact when, within each segment, positions increase along the original sequence (true for
+    packed documents; give padding increasing positions too, or padding rows differ from the dense
+    reference. Padding rows never feed real rows, so the loss and its gradients are unaffected either way).
+
+    Backward is JAX autodiff: each step's block update is rematerialised, so per device it keeps the s
+    received k|v blocks and running states, O(B*T*(K + H)*Dh) rather than the O(B*H*T^2/s) probabilities.
+    """
+    s = jax.lax.axis_size(axis_name)
+    b, tl, h, dh = q.shape
+    kh = k.shape[2]
+    c = tl // 2
+    if tl % 2:
+        raise ValueError(f"ring_attention: local sequence length {tl} is odd: use a seq_len that is a "
+                         f"multiple of 2*seq={2 * s}")
+    rank = jax.lax.axis_index(axis_name)
+    qg = q.reshape(b, tl, kh, h // kh, dh)  # (B, 2c, K, G, Dh)
+    early, late = slice(0, c), slice(c, tl)
+
+    # Running state derived from q so it carries q's varying-axes type.
+    zeros_q = jnp.zeros_like(qg, dtype=jnp.float32)  # (B, 2c, K, G, Dh)
+    stats = jnp.moveaxis(zeros_q[..., 0], 1, 3)  # (B, K, G, 2c)
+    state = (stats + MASK_VALUE, stats, zeros_q)
+
+    # Diagonal step: (early, early) and (late, early) in one update, then (late, late).
+    state = _online_update_remat(state, qg, k[:, early], v[:, early], segment_ids, segment_ids[:, early],
+                                 positions, positions[:, early])
+    state = _put(state, late, _online_update_remat(
+        _take(state, late), qg[:, late], k[:, late], v[:, late], segment_ids[:, late],
+        segment_ids[:, late], positions[:, late], positions[:, late]))
+
+    kv = jnp.stack([k, v])  # (2, B, 2c, K, Dh)
+    kv_ids = jnp.stack([segment_ids, positions])  # (2, B, 2c)
+    perm = [(r, (r + 1) % s) for r in range(s)]
+    for j in range(1, s):
+        kv = jax.lax.ppermute(kv, axis_name, perm)  # (2, B, 2c, K, Dh) from rank (i - j) mod s
+        kv_ids = jax.lax.ppermute(kv_ids, axis_name, perm)  # (2, B, 2c)
+
+        def from_lower(state, kv=kv, kv_ids=kv_ids):
+            # Source rank < i: both local chunks see the source's early chunk only.
+            return _online_update_remat(state, qg, kv[0][:, early], kv[1][:, early], segment_ids,
+                                        kv_ids[0][:, early], positions, kv_ids[1][:, early])
+
+        def from_higher(state, kv=kv, kv_ids=kv_ids):
+            # Source rank > i: only the local late chunk sees anything, of both source chunks.
+            return _put(state, late, _online_update_remat(
+                _take(state, late), qg[:, late], kv[0], kv[1], segment_ids[:, late], kv_ids[0],
+                positions[:, late], kv_ids[1]))
+
+        state = jax.lax.cond(j <= rank, from_lower, from_higher, state)
+
+    _, l, o = state
+    out = o / jnp.moveaxis(l, 3, 1)[..., None]  # (B, 2c, K, G, Dh)
+    return out.reshape(b, tl, h, dh).astype(q.dtype)  # (B, 2c, H, Dh)

@@ -1,0 +1,371 @@
+"""Parity of the tensor / sequence / vocabulary parallel collectives with single-device references.
+
+Each op runs under `jax.shard_map` on simulated CPU devices and is compared with its dense reference in
+fp32 on packed documents (several documents per row, positions restarting per document, padding):
+forward and gradients w.r.t. every input, relative Frobenius error <= 1e-5. The compiled HLO is checked
+for exactly the collectives each module docstring predicts.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from parallax import hlo
+from parallax.parallel import sequence, tensor, vocab
+
+TOL = 1e-5
+B, H, DH, D = 2, 8, 8, 8
+
+
+def _mesh(axis, n):
+    return jax.make_mesh((n,), (axis,), (AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def _normal(rng, shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+
+def _packed(rng, b, t):
+    """Segment ids [b, t] (1.. per document, 0 = padding) and positions restarting per document.
+
+    Padding positions increase too (see `ring_attention` on the skip's assumption).
+    """
+    seg = np.zeros((b, t), np.int32)
+    pos = np.zeros((b, t), np.int32)
+    for row in range(b):
+        end = t - int(rng.integers(1, t // 4 + 1))
+        start, doc = 0, 1
+        while start < end:
+            n = min(int(rng.integers(1, t // 4 + 1)), end - start)  # >= 3 documents per row
+            seg[row, start:start + n] = doc
+            pos[row, start:start + n] = np.arange(n)
+            start, doc = start + n, doc + 1
+        pos[row, end:] = np.arange(t - end)
+    assert (seg.max(axis=1) >= 3).all(), "want several documents per row"
+    return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _assert_close(got, want, tol=TOL):
+    errs = [_rel_err(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
+    print("relative errors:", ", ".join(f"{e:.2e}" for e in errs))
+    assert max(errs) <= tol, errs
+
+
+def _check_fwd_and_grads(parallel_fn, reference_fn, args, argnums, rng):
+    """Forward and grads of sum(out * fixed random cotangent) w.r.t. `argnums`, parallel vs reference."""
+    want = reference_fn(*args)
+    cotangent = _normal(rng, want.shape)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a) * cotangent)
+
+    got = jax.jit(parallel_fn)(*args)
+    _assert_close(got, want)
+    grads = jax.jit(jax.grad(loss(parallel_fn), argnums=argnums))(*args)
+    ref_grads = jax.grad(loss(reference_fn), argnums=argnums)(*args)
+    _assert_close(grads, ref_grads)
+
+
+def _attention_inputs(rng, t, kv_heads):
+    q = _normal(rng, (B, t, H, DH))  # (B, T, H, Dh)
+    k = _normal(rng, (B, t, kv_heads, DH))  # (B, T, K, Dh)
+    v = _normal(rng, (B, t, kv_heads, DH))  # (B, T, K, Dh)
+    seg, pos = _packed(rng, B, t)
+    return q, k, v, seg, pos
+
+
+def _dense_attention(q, k, v, seg, pos):
+    return sequence.attention_reference(q, k, v, seg, seg, pos, pos)
+
+
+def _seq_sharded(fn, mesh):
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "seq"),) * 5, out_specs=P(None, "seq"))
+
+
+def _ring_on_full_sequence(mesh, s):
+    """Ring attention on sequence-order inputs: zigzag layout, shard over seq, undo the layout."""
+    ring = _seq_sharded(sequence.ring_attention, mesh)
+
+    def fn(*args):
+        return sequence.ring_unlayout(ring(*(sequence.ring_layout(a, s, axis=1) for a in args)), s, axis=1)
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sequence parallelism
+
+
+@pytest.mark.parametrize("s,kv_heads", [(2, 4), (2, 2), (4, 4), (4, 2)])
+def test_ulysses_matches_dense_attention_and_grads(s, kv_heads):
+    rng = np.random.default_rng(s * 10 + kv_heads)
+    args = _attention_inputs(rng, 16, kv_heads)
+    fn = _seq_sharded(sequence.ulysses_attention, _mesh("seq", s))
+    _check_fwd_and_grads(fn, _dense_attention, args, (0, 1, 2), rng)
+
+
+@pytest.mark.parametrize("s,kv_heads", [(2, 4), (4, 2)])
+def test_ring_with_zigzag_layout_matches_dense_attention_and_grads(s, kv_heads):
+    rng = np.random.default_rng(100 + s * 10 + kv_heads)
+    q, k, v, seg, pos = _attention_inputs(rng, 4 * s, kv_heads)  # two tokens per zigzag chunk
+    # Row 0 is one causal document spanning every chunk: any wrongly skipped block shows up there.
+    seg, pos = seg.at[0].set(1), pos.at[0].set(jnp.arange(4 * s))
+    args = (q, k, v, seg, pos)
+    fn = _ring_on_full_sequence(_mesh("seq", s), s)
+    _check_fwd_and_grads(fn, _dense_attention, args, (0, 1, 2), rng)
+
+
+@pytest.mark.parametrize("attention", [sequence.ulysses_attention, sequence.ring_attention])
+def test_sequence_attention_inside_shard_map_manual_over_tensor_and_seq(attention):
+    """As the model calls it: heads split over `tensor`, sequence over `seq`, both axes manual."""
+    t, s = 2, 2
+    rng = np.random.default_rng(11)
+    q, k, v, seg, pos = _attention_inputs(rng, 8, 4)
+    mesh = jax.make_mesh((t, s), ("tensor", "seq"), (AxisType.Auto,) * 2, devices=jax.devices()[:t * s])
+    heads = P(None, "seq", "tensor")
+    fn = jax.shard_map(attention, mesh=mesh, in_specs=(heads, heads, heads, P(None, "seq"), P(None, "seq")),
+                       out_specs=heads)
+    if attention is sequence.ring_attention:
+        def fn(*args, ring=fn):
+            return sequence.ring_unlayout(ring(*(sequence.ring_layout(a, s, axis=1) for a in args)), s, 1)
+    _assert_close(jax.jit(fn)(q, k, v, seg, pos), _dense_attention(q, k, v, seg, pos))
+
+
+def test_ring_with_bf16_inputs_stays_close_to_fp32_reference():
+    s = 4
+    rng = np.random.default_rng(7)
+    q, k, v, seg, pos = _attention_inputs(rng, 16, 2)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = jax.jit(_ring_on_full_sequence(_mesh("seq", s), s))(*bf16, seg, pos)
+    assert got.dtype == jnp.bfloat16
+    want = _dense_attention(*(x.astype(jnp.float32) for x in bf16), seg, pos)
+    print("bf16 relative error:", _rel_err(got, want))
+    assert _rel_err(got, want) <= 1e-2  # bf16 output rounding (2^-8), not accumulated error
+
+
+def test_ring_layout_gives_rank_i_chunks_i_and_mirror_and_unlayout_inverts_it():
+    s, chunk = 3, 2
+    x = jnp.arange(2 * s * chunk)[None]  # (1, T)
+    laid = sequence.ring_layout(x, s, axis=1)
+    shards = np.asarray(laid).reshape(s, 2, chunk)  # (rank, local chunk, token)
+    for i in range(s):
+        assert (shards[i, 0] // chunk == i).all() and (shards[i, 1] // chunk == 2 * s - 1 - i).all()
+    np.testing.assert_array_equal(sequence.ring_unlayout(laid, s, axis=1), x)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor parallelism
+
+
+def _dense_mlp(x, w_gate, w_up, w_down):
+    h = jax.nn.silu(x @ w_gate) * (x @ w_up)  # (B, T, f)
+    return h @ w_down  # (B, T, d)
+
+
+def _sp_mlp(x, w_gate, w_up, w_down):
+    x = tensor.gather_seq(x)  # (B, T, d)
+    h = jax.nn.silu(tensor.column_parallel(x, w_gate)) * tensor.column_parallel(x, w_up)  # (B, T, f/t)
+    return tensor.scatter_seq(tensor.row_parallel(h, w_down))  # (B, T/t, d)
+
+
+def _tp_mlp(mesh):
+    return jax.shard_map(_sp_mlp, mesh=mesh,
+                         in_specs=(P(None, "tensor"), P(None, "tensor"), P(None, "tensor"), P("tensor")),
+                         out_specs=P(None, "tensor"))
+
+
+def _mlp_inputs(rng, t, f=16):
+    return (_normal(rng, (B, 4 * t, D)), _normal(rng, (D, f)), _normal(rng, (D, f)), _normal(rng, (f, D)))
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sequence_parallel_swiglu_mlp_matches_dense_mlp_and_grads(t):
+    rng = np.random.default_rng(200 + t)
+    _check_fwd_and_grads(_tp_mlp(_mesh("tensor", t)), _dense_mlp, _mlp_inputs(rng, t), (0, 1, 2, 3), rng)
+
+
+def test_gather_seq_and_scatter_seq_are_each_others_gradient():
+    t = 4
+    rng = np.random.default_rng(3)
+    x = _normal(rng, (B, 8, D))  # global [B, T, d], sequence-sharded
+    ct = _normal(rng, (t * B, 8, D))  # a different [B, T, d] cotangent per rank
+
+    def per_rank(x, ct):
+        _, gather_vjp = jax.vjp(tensor.gather_seq, x)
+        _, scatter_vjp = jax.vjp(tensor.scatter_seq, ct)
+        small = tensor.scatter_seq(ct)  # (B, T/t, d), used as the cotangent of scatter_seq
+        return gather_vjp(ct)[0], tensor.scatter_seq(ct), scatter_vjp(small)[0], tensor.gather_seq(small)
+
+    fn = jax.shard_map(per_rank, mesh=_mesh("tensor", t), in_specs=(P(None, "tensor"), P("tensor")),
+                       out_specs=(P(None, "tensor"), P(None, "tensor"), P("tensor"), P("tensor")))
+    gather_grad, scatter, scatter_grad, gather = jax.jit(fn)(x, ct)
+    np.testing.assert_allclose(gather_grad, scatter, rtol=1e-6)
+    np.testing.assert_allclose(scatter_grad, gather, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Vocabulary parallelism
+
+VOCAB = 96  # no other dimension of these tests is 96, so HLO shapes can be searched for it
+
+
+def _vocab_inputs(rng, t_len=8):
+    tokens = jnp.asarray(rng.integers(0, VOCAB, size=(B, t_len)), jnp.int32)
+    weights = jnp.asarray(rng.integers(0, 2, size=(B, t_len)), jnp.float32)  # 0 = padding
+    return tokens, weights
+
+
+@pytest.mark.parametrize("t,scatter_axis", [(2, 1), (4, 1), (4, None)])
+def test_vocab_parallel_embed_matches_dense_lookup_and_grads(t, scatter_axis):
+    rng = np.random.default_rng(300 + t)
+    table = _normal(rng, (VOCAB, D))
+    tokens, _ = _vocab_inputs(rng)
+    out_spec = P() if scatter_axis is None else P(None, "tensor")
+    fn = jax.shard_map(lambda tb, tok: vocab.vocab_parallel_embed(tb, tok, scatter_axis=scatter_axis),
+                       mesh=_mesh("tensor", t), in_specs=(P("tensor"), P()), out_specs=out_spec)
+    _check_fwd_and_grads(fn, lambda tb, tok: tb[tok], (table, tokens), 0, rng)
+
+
+def _vocab_ce(mesh):
+    return jax.shard_map(vocab.vocab_parallel_cross_entropy, mesh=mesh,
+                         in_specs=(P(None, None, "tensor"), P(), P()), out_specs=P())
+
+
+def _dense_ce(logits, targets, weights):
+    logp = jax.nn.log_softmax(logits, axis=-1)  # (B, T, V)
+    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * weights)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_vocab_parallel_cross_entropy_matches_dense_loss_and_grads(t):
+    rng = np.random.default_rng(400 + t)
+    logits = 4.0 * _normal(rng, (B, 8, VOCAB))
+    targets, weights = _vocab_inputs(rng)
+    fn = _vocab_ce(_mesh("tensor", t))
+    got = jax.jit(fn)(logits, targets, weights)
+    _assert_close(got, _dense_ce(logits, targets, weights))
+    grad = jax.jit(jax.grad(fn))(logits, targets, weights)
+    _assert_close(grad, jax.grad(_dense_ce)(logits, targets, weights))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Collectives in the compiled programs
+
+
+def _counts(fn, *args):
+    return hlo.count_collectives(jax.jit(fn).lower(*args).compile())
+
+
+def _fwd_bwd_counts(fn, args, num_float_args, rng):
+    """Counts in a program returning the output and its vjp (with a gradient alone XLA would drop the
+    forward ops only the output needs; a scalar loss would add its own all-reduce)."""
+    cotangent = _normal(rng, jax.eval_shape(fn, *args).shape)
+
+    def fwd_bwd(*a):
+        out, vjp = jax.vjp(lambda *x: fn(*x, *a[num_float_args:]), *a[:num_float_args])
+        return out, vjp(cotangent)
+    return _counts(fwd_bwd, *args)
+
+
+def _only(**expected):
+    return {op: expected.get(op.replace("-", "_"), 0) for op in hlo.COLLECTIVES}
+
+
+def test_ulysses_uses_two_all_to_alls_and_one_all_gather():
+    rng = np.random.default_rng(0)
+    args = _attention_inputs(rng, 16, 2)
+    fn = _seq_sharded(sequence.ulysses_attention, _mesh("seq", 4))
+    # Forward: packed q|k|v in, output back; segment ids|positions gathered once.
+    assert _counts(fn, *args) == _only(all_to_all=2, all_gather=1)
+    # Backward adds the two all-to-alls' transposes; integer ids need no gradient.
+    assert _fwd_bwd_counts(fn, args, 3, rng) == _only(all_to_all=4, all_gather=1)
+
+
+def test_ring_uses_two_collective_permutes_per_step():
+    s = 4
+    rng = np.random.default_rng(0)
+    args = [sequence.ring_layout(a, s, axis=1) for a in _attention_inputs(rng, 16, 2)]
+    fn = _seq_sharded(sequence.ring_attention, _mesh("seq", s))
+    # Forward: s-1 steps x (packed k|v, packed segment ids|positions).
+    assert _counts(fn, *args) == _only(collective_permute=2 * (s - 1))
+    # Backward: one more per step, carrying the k|v cotangents back around the ring.
+    assert _fwd_bwd_counts(fn, args, 3, rng) == _only(collective_permute=3 * (s - 1))
+
+
+def test_sequence_parallel_mlp_uses_one_all_gather_and_one_reduce_scatter():
+    rng = np.random.default_rng(0)
+    args = _mlp_inputs(rng, 4)
+    fn = _tp_mlp(_mesh("tensor", 4))
+    assert _counts(fn, *args) == _only(all_gather=1, reduce_scatter=1)
+    # Backward: the all-gather's transpose is a reduce-scatter and vice versa; no all-reduce anywhere.
+    assert _fwd_bwd_counts(fn, args, 4, rng) == _only(all_gather=2, reduce_scatter=2)
+
+
+def test_vocab_parallel_cross_entropy_never_moves_full_vocab_logits():
+    t = 4
+    rng = np.random.default_rng(0)
+    logits = _normal(rng, (B, 8, VOCAB))
+    targets, weights = _vocab_inputs(rng)
+    fn = _vocab_ce(_mesh("tensor", t))
+    for compiled in (jax.jit(fn).lower(logits, targets, weights).compile(),
+                     jax.jit(jax.value_and_grad(fn)).lower(logits, targets, weights).compile()):
+        shapes = [shape for _, result in hlo.collective_shapes(compiled) for shape in result]
+        assert shapes and all(VOCAB not in shape for shape in shapes), shapes
+        assert math.prod(hlo.largest_collective_shape(compiled)) < logits.size // t
+    # Forward: one max and one packed sum; the backward needs no collective at all.
+    assert _counts(fn, logits, targets, weights) == _only(all_reduce=2)
+    assert _counts(jax.value_and_grad(fn), logits, targets, weights) == _only(all_reduce=2)
+
+
+def test_count_collectives_counts_async_pairs_once():
+    text = """
+  %ag-start = (f32[2,4]{1,0}, f32[2,16]{1,0}) all-gather-start(f32[2,4]{1,0} %p), dimensions={1}
+  %ag-done = f32[2,16]{1,0} all-gather-done((f32[2,4]{1,0}, f32[2,16]{1,0}) %ag-start)
+  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(f32[8]{0} %x)
+  %cp-done = f32[8]{0} collective-permute-done((f32[8]{0}, f32[8]{0}, u32[], u32[]) %cp-start)
+  %rs = f32[2,4]{1,0} reduce-scatter(f32[2,16]{1,0} %y), dimensions={1}, to_apply=%add
+  %ar = f32[3]{0} all-reduce(f32[3]{0} %z), to_apply=%add
+  %a2a = (f32[1,5]{1,0}, f32[1,5]{1,0}) all-to-all(f32[1,5]{1,0} %u, f32[1,5]{1,0} %w)
+  %all-reduce-like-name = f32[3]{0} add(f32[3]{0} %z, f32[3]{0} %z)
+"""
+    assert hlo.count_collectives(text) == _only(all_gather=1, collective_permute=1, reduce_scatter=1,
+                                                all_reduce=1, all_to_all=1)
+    assert hlo.largest_collective_shape(text) == (2, 16)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Divisibility checks
+
+
+@pytest.mark.parametrize("call,fix", [
+    (lambda: sequence.check_sequence_parallel("ring", 4, 8, 2, 20), "multiple of 8"),
+    (lambda: sequence.check_sequence_parallel("ulysses", 4, 6, 2, 16), "attention='ring'"),
+    (lambda: sequence.check_sequence_parallel("ulysses", 4, 12, 3, 16), "attention='ring'"),
+    (lambda: sequence.check_sequence_parallel("ulysses", 4, 8, 2, 18), "multiple of 4"),
+    (lambda: sequence.check_sequence_parallel("dense", 2, 8, 2, 16), "set attention"),
+    (lambda: sequence.check_sequence_parallel("flash", 2, 8, 2, 16), "use 'dense'"),
+    (lambda: tensor.check_tensor_parallel(4, 8, 2, 64, 128), "num_kv_heads"),
+    (lambda: tensor.check_tensor_parallel(4, 8, 4, 64, 130), "vocab_size"),
+    (lambda: tensor.check_tensor_parallel(4, 8, 4, 64, 128, seq_len=18), "seq_len"),
+    (lambda: sequence.ring_layout(jnp.zeros((1, 12)), 4), "multiple of 8"),
+])
+def test_divisibility_errors_are_one_line_and_name_the_fix(call, fix):
+    with pytest.raises(ValueError) as err:
+        call()
+    message = str(err.value)
+    assert "\n" not in message and fix in message, message
+
+
+def test_valid_configurations_pass_the_checks():
+    sequence.check_sequence_parallel("ring", 4, 8, 2, 16)
+    sequence.check_sequence_parallel("ulysses", 4, 8, 2, 16)  # K < s: kv heads are repeated
+    sequence.check_sequence_parallel("dense", 1, 8, 2, 16)
+    tensor.check_tensor_parallel(4, 8, 4, 64, 128, seq_len=16)
