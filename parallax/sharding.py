@@ -31,7 +31,7 @@ DEFAULT_RULES: dict[str, object] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
-    "layers": None,
+    "layers": "pipe",  # stacked layers: each pipeline rank stores the layers of its own stages
     "stage": "pipe",
     "experts": "expert",
     "norm": None,

@@ -24,12 +24,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models.llama import Llama, LlamaConfig, loss_sum
+from models.llama import Llama, LlamaConfig, apply_layers, cross_entropy_sum, loss_sum
 from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
 from parallax import optim, sharding
 from parallax.config import ConfigError
+from parallax.pipeline.executor import from_pipeline_layout, pipeline_value_and_grad, to_pipeline_layout
+from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, validate
 from parallax.parallel.manual import Parallelism, shard_loss
 from parallax.parallel.sequence import check_sequence_parallel
 
@@ -66,9 +68,6 @@ def check_config(config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"config.model.dtype={m.dtype!r}: expected one of {', '.join(_DTYPES)}")
     if m.remat not in ("none", "full", "dots"):
         raise ConfigError(f"config.model.remat={m.remat!r}: expected one of none, full, dots")
-    if sizes["pipe"] > 1:
-        raise ConfigError(f"config.mesh.pipe={sizes['pipe']}: pipeline parallelism is not available yet; "
-                          f"set mesh.pipe=1")
     rules = sharding.make_rules(_rule_overrides(config))
     dp = _batch_ways(sizes, rules)
     if t.microbatches <= 0:
@@ -92,11 +91,46 @@ def check_config(config, num_devices: int) -> dict[str, int]:
         if sizes[axis] > 1 and rules[name] != axis:
             raise ConfigError(f"config.sharding.rules.{name}={rules[name]!r}: mesh.{axis}={sizes[axis]} runs "
                               f"explicit {axis} parallelism, which needs {name} -> {axis!r}; restore that rule")
+    if sizes["pipe"] > 1:
+        _check_pipeline(config, sizes, dp)
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
     if config.data.source == "text" and m.vocab_size < 256:
         raise ConfigError(f"config.model.vocab_size={m.vocab_size}: byte-level text needs vocab_size >= 256")
     return sizes
+
+
+def make_pipeline_schedule(config, num_ranks: int) -> Schedule:
+    """The validated pipeline schedule of `config.pipeline` for `num_ranks` ranks (ConfigError if it cannot be)."""
+    pc = config.pipeline
+    try:
+        schedule = make_schedule(pc.schedule, num_ranks, pc.microbatches, pc.virtual_stages)
+        validate(schedule)
+    except ScheduleError as e:
+        raise ConfigError(f"config.pipeline (schedule={pc.schedule!r}, microbatches={pc.microbatches}, "
+                          f"virtual_stages={pc.virtual_stages}, mesh.pipe={num_ranks}): {e}") from None
+    return schedule
+
+
+def _check_pipeline(config, sizes, dp):
+    p, pc, m, t = sizes["pipe"], config.pipeline, config.model, config.train
+    if sizes["tensor"] > 1 or sizes["seq"] > 1:
+        raise ConfigError(f"config.mesh.pipe={p} with mesh.tensor={sizes['tensor']}, mesh.seq={sizes['seq']}: "
+                          f"tensor / sequence parallelism inside pipeline stages is not supported yet; "
+                          f"set tensor=1 and seq=1 or pipe=1")
+    if t.microbatches != 1:
+        raise ConfigError(f"config.train.microbatches={t.microbatches}: with mesh.pipe={p} the pipeline "
+                          f"microbatches the batch itself; set train.microbatches=1 and use pipeline.microbatches")
+    if pc.microbatches < 1 or t.global_batch_size % (dp * pc.microbatches):
+        raise ConfigError(
+            f"config.pipeline.microbatches={pc.microbatches}: global_batch_size={t.global_batch_size} must be "
+            f"divisible by data-parallel size {dp} x pipeline.microbatches; choose a divisor of "
+            f"{t.global_batch_size // dp}")
+    schedule = make_pipeline_schedule(config, p)
+    if m.num_layers % schedule.num_stages:
+        raise ConfigError(
+            f"config.model.num_layers={m.num_layers}: not divisible into {schedule.num_stages} pipeline stages "
+            f"(mesh.pipe={p} x {schedule.num_chunks} chunks per rank); use a multiple of {schedule.num_stages}")
 
 
 def _rule_overrides(config) -> dict:
@@ -146,7 +180,8 @@ class Trainer:
         self.abstract_params = nnx.to_pure_dict(abstract_state)
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, self.rules)
         self.parallelism = Parallelism.from_mesh(self.mesh, self.rules, config.model.attention)
-        self.schedule = optim.lr_schedule(config.optim, config.train.steps)
+        self.lr_schedule = optim.lr_schedule(config.optim, config.train.steps)
+        self.pipeline = make_pipeline_schedule(config, self.mesh.shape["pipe"]) if self.mesh.shape["pipe"] > 1 else None
         self.tx = optim.make_optimizer(config.optim, config.train.steps, self.logical)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         replicated = NamedSharding(self.mesh, P())
@@ -181,19 +216,58 @@ class Trainer:
         with sharding.activation_sharding(self.mesh, self.rules):
             return loss_sum(nnx.merge(self.graphdef, params), batch)
 
+    def _split_microbatches(self, batch, m: int):
+        """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local."""
+        spec = sharding.logical_to_spec((None, "batch", "length"), self.rules, self.mesh)
+
+        def split(x):
+            x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.tree.map(split, batch)
+
+    def _pipeline_loss_and_grads(self, params, batch):
+        """Weighted loss sum and its gradients, running `self.pipeline`'s schedule over the `pipe` axis.
+
+        The embedding (first stage) and final norm + head + loss (last stage) use the non-layer
+        parameters; the stacked layers go to the executor in its [p, v, L/(p*v), ...] layout.
+        """
+        schedule, cfg = self.pipeline, self.model_cfg
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        no_blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.abstract_params["blocks"])
+        block_graphdef = nnx.split(nnx.merge(self.graphdef, self.abstract_params).blocks)[0]
+
+        def model(rest_params):  # the embedding / head half of the model; its layers are never called
+            return nnx.merge(self.graphdef, {**rest_params, "blocks": no_blocks})
+
+        def first_fn(rest_params, mb):
+            return model(rest_params).embed_tokens(mb["inputs"])
+
+        def stage_fn(chunk, x, mb):
+            return apply_layers(block_graphdef, chunk, x, mb["segment_ids"], mb["positions"], cfg.remat)
+
+        def last_fn(rest_params, x, mb):
+            return cross_entropy_sum(model(rest_params).logits(x), mb["targets"], mb["weights"])
+
+        batch_axes = sharding.logical_to_spec(("batch",), self.rules, self.mesh)
+        batch_axes = tuple(batch_axes[0]) if len(batch_axes) and isinstance(batch_axes[0], tuple) else tuple(batch_axes)
+        loss, grads = pipeline_value_and_grad(
+            schedule, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
+            params={"first": rest, "stages": to_pipeline_layout(params["blocks"], schedule), "last": rest},
+            inputs=self._split_microbatches(batch, schedule.num_microbatches), mesh=self.mesh,
+            remat=bool(self.config.pipeline.remat), batch_axes=batch_axes)
+        rest_grads = jax.tree.map(jnp.add, grads["first"], grads["last"])
+        return loss, {**rest_grads, "blocks": from_pipeline_layout(grads["stages"], schedule)}
+
     def _loss_and_grads(self, params, batch):
         """Mean token loss over the global batch and its gradients (fp32), accumulated over microbatches."""
         total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        if self.pipeline is not None:
+            loss, grads = self._pipeline_loss_and_grads(params, batch)
+            return loss / total, jax.tree.map(lambda g: g / total, grads)
         grad_fn = jax.value_and_grad(lambda p, mb: self._model_loss_sum(p, mb) / total)
         m = self.microbatches
         if m == 1:
             return grad_fn(params, batch)
-
-        def split(x):  # (B, T) -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each shard stays local
-            b = x.shape[0]
-            x = x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
-            spec = sharding.logical_to_spec((None, "batch", "length"), self.rules, self.mesh)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
         def body(carry, mb):
             loss_acc, grad_acc = carry
@@ -202,7 +276,7 @@ class Trainer:
             return (loss_acc + loss, grad_acc), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jax.tree.map(split, batch))
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), self._split_microbatches(batch, m))
         return loss, grads
 
     def _train_step(self, state, batch):
@@ -216,7 +290,7 @@ class Trainer:
             new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),
                                                         {k: new[k] for k in ("params", "opt_state")},
                                                         {k: state[k] for k in ("params", "opt_state")})}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.lr_schedule(state["step"]),
                    "finite": finite}
         return new, metrics
 

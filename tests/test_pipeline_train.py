@@ -1,0 +1,81 @@
+"""The pipelined Llama (every schedule, pipe in {2, 4}, with data / FSDP) equals the 1-device model."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import max_leaf_rel_err, rel_err, tiny_config
+from parallax.config import ConfigError
+from parallax.train import Trainer, check_config, make_dataset
+
+TOL = 1e-5
+LAYERS = 8  # divisible into p * v stages for p in {2, 4}, v in {1, 2}
+VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}
+
+
+def _config(schedule="1f1b", remat=False, **mesh):
+    config = tiny_config(**mesh)
+    config.model.num_layers = LAYERS
+    config.pipeline.update(schedule=schedule, virtual_stages=VIRTUAL.get(schedule, 1), remat=remat,
+                           microbatches=4)
+    return config
+
+
+def _loss_grads_and_steps(config, devices, steps):
+    trainer = Trainer(config, devices=devices)
+    data = make_dataset(config)
+    state = trainer.init_state()
+    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], trainer.device_batch(data.batch(0))))
+    losses = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+        losses.append(float(metrics["loss"]))
+    return float(loss), grads, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _loss_grads_and_steps(_config(), jax.devices()[:1], steps=5)
+
+
+CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv") for p in (2, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,pipe", CASES, ids=[f"{s}-pipe{p}" for s, p in CASES])
+def test_pipelined_loss_grads_and_steps_match_single_device(reference, schedule, pipe):
+    ref_loss, ref_grads, ref_losses = reference
+    steps = 5 if pipe == 4 else 0  # the 5-step check on the deeper pipelines; pipe=2 checks one step's grads
+    loss, grads, losses = _loss_grads_and_steps(_config(schedule, pipe=pipe, data=8 // pipe), jax.devices(), steps)
+    assert rel_err(loss, ref_loss) <= TOL
+    err, where = max_leaf_rel_err(grads, ref_grads)
+    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
+    np.testing.assert_allclose(losses, ref_losses[:steps], rtol=TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_with_fsdp_and_remat_matches_single_device(reference, schedule):
+    ref_loss, ref_grads, ref_losses = reference
+    config = _config(schedule, remat=True, data=2, fsdp=2, pipe=2)
+    loss, grads, losses = _loss_grads_and_steps(config, jax.devices(), steps=5)
+    assert rel_err(loss, ref_loss) <= TOL
+    err, where = max_leaf_rel_err(grads, ref_grads)
+    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
+    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+
+
+@pytest.mark.parametrize("change,expected", [
+    (dict(model=dict(num_layers=6)), "num_layers=6: not divisible into 4 pipeline stages"),
+    (dict(pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=6)), "set microbatches=8"),
+    (dict(pipeline=dict(schedule="pipedream")), "unknown schedule 'pipedream'"),
+    (dict(pipeline=dict(microbatches=3)), "pipeline.microbatches=3"),
+    (dict(train=dict(microbatches=2)), "set train.microbatches=1"),
+], ids=["layers", "interleaved-m", "unknown", "batch", "accumulation"])
+def test_bad_pipeline_config_names_the_fix(change, expected):
+    config = _config("1f1b", pipe=4, data=2)
+    for section, values in change.items():
+        config[section].update(values)
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as info:
+        check_config(config, 8)
+    assert "\n" not in str(info.value)
