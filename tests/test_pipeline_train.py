@@ -67,7 +67,7 @@ def test_pipeline_with_fsdp_and_remat_matches_single_device(reference, schedule)
 
 @pytest.mark.parametrize("change,expected", [
     (dict(model=dict(num_layers=6)), "num_layers=6: not divisible into 4 pipeline stages"),
-    (dict(pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=6)), "set microbatches=8"),
+    (dict(pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)), "set microbatches=4"),
     (dict(pipeline=dict(schedule="pipedream")), "unknown schedule 'pipedream'"),
     (dict(pipeline=dict(microbatches=3)), "pipeline.microbatches=3"),
     (dict(train=dict(microbatches=2)), "set train.microbatches=1"),
