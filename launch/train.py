@@ -4,7 +4,8 @@
         [--config.train.steps=100 --config.mesh.fsdp=2 ...]
 
 Rerunning the same command with the same workdir resumes from the latest checkpoint. A config error exits
-with status 2 and one line naming the key, the value and what would be valid.
+with status 2 and one line naming the key, the value and what would be valid; a non-finite loss exits 1
+with one line; SIGTERM saves a checkpoint and exits 143.
 """
 
 import os
@@ -16,9 +17,15 @@ from launch.common import cli_main  # noqa: E402
 
 
 def run(config, flags):
-    from parallax.train import train_and_evaluate
+    from parallax.train import TrainingError, train_and_evaluate
 
-    train_and_evaluate(config, flags.workdir)
+    try:
+        result = train_and_evaluate(config, flags.workdir)
+    except TrainingError as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        sys.exit(1)
+    if result.preempted:
+        sys.exit(143)  # 128 + SIGTERM: the scheduler sees an interrupted job, and a rerun resumes it
 
 
 if __name__ == "__main__":

@@ -8,18 +8,17 @@ target shardings from an abstract state, so the arrays land directly on the curr
 
 from __future__ import annotations
 
-import os
-
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
 
 
 class Checkpointer:
     """Thin wrapper around `ocp.CheckpointManager` for one workdir."""
 
-    def __init__(self, directory: str, every: int, keep: int, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+    def __init__(self, directory, every: int, keep: int, async_save: bool = True):
+        self.directory = epath.Path(directory)  # local paths and gs:// alike
         self.every = int(every)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=save_decision_policy.FixedIntervalPolicy(max(self.every, 1)),
@@ -49,7 +48,3 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
-
-def abstract_like(state):
-    """ShapeDtypeStructs with the shardings of `state`, the restore target."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)

@@ -10,6 +10,7 @@ would be valid. Semantic checks (mesh vs devices, batch vs data parallelism, hea
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import os
 
@@ -85,16 +86,8 @@ def apply_override(config: ml_collections.ConfigDict, key: str, text: str) -> No
     current = node[parts[-1]]
     if isinstance(current, (ml_collections.ConfigDict, dict)):
         raise ConfigError(f"config.{key}: is a section, not a value; set one of its keys: {', '.join(sorted(current.keys()))}")
-    with config.unlocked() if hasattr(config, "unlocked") else _nullcontext():
+    with config.unlocked() if hasattr(config, "unlocked") else contextlib.nullcontext():
         node[parts[-1]] = _parse_value(key, text, current)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:

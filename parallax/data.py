@@ -174,10 +174,12 @@ class Dataset:
     streams: dict  # split -> _Stream, or None when the split has no documents
 
     def batch(self, step: int, split: str = "train", *, process_index: int = 0,
-              process_count: int = 1) -> dict:
-        """This host's rows of the global batch: each array is [global_batch_size // process_count, seq_len].
+              process_count: int = 1, rows: tuple[int, int] | None = None) -> dict:
+        """This host's rows of the global batch: each array is [rows, seq_len].
 
-        Host ``i`` gets global rows ``[i * B/process_count, (i+1) * B/process_count)``.
+        With ``rows=(lo, hi)`` the host gets global rows ``[lo, hi)`` (use ``host_rows`` to ask the batch
+        sharding which rows this host's devices hold); otherwise host ``i`` of ``process_count`` gets rows
+        ``[i * B/process_count, (i+1) * B/process_count)``.
         """
         if split not in SPLITS:
             raise DataError(f"split={split!r} is unknown; use one of {SPLITS}")
@@ -193,9 +195,12 @@ class Dataset:
         if stream is None:
             raise DataError(f"the {split!r} split of this {self.source!r} corpus has no documents; "
                             "raise eval_fraction or add documents")
-        per_host = self.global_batch_size // process_count
-        rows = range(process_index * per_host, (process_index + 1) * per_host)
-        return _pack(stream, self.seq_len, [self._offset(stream, step, split, r) for r in rows])
+        if rows is None:
+            per_host = self.global_batch_size // process_count
+            rows = (process_index * per_host, (process_index + 1) * per_host)
+        if not 0 <= rows[0] < rows[1] <= self.global_batch_size:
+            raise DataError(f"rows={rows} is not a row range of the global batch of {self.global_batch_size}")
+        return _pack(stream, self.seq_len, [self._offset(stream, step, split, r) for r in range(*rows)])
 
     def _offset(self, stream, step, split, row):
         n_starts = len(stream.tokens) - self.seq_len  # windows of seq_len + 1 tokens that fit
@@ -272,6 +277,22 @@ def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size
         raise DataError(f"source={source!r} path={path!r} has no training documents; "
                         "point path at a non-empty corpus or lower eval_fraction")
     return Dataset(source, seq_len, global_batch_size, vocab_size, seed, dict(zip(SPLITS, streams)))
+
+
+def host_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple[int, int]:
+    """The global batch rows ``[lo, hi)`` that this host's devices hold under ``sharding``.
+
+    It follows the mesh's device layout, not ``jax.process_index()``: hosts that hold replicas of the same
+    rows (e.g. when ``seq`` or ``tensor`` spans hosts) load the same rows.
+    """
+    index_map = sharding.addressable_devices_indices_map((global_batch_size,))
+    starts = sorted({idx[0].indices(global_batch_size)[:2] for idx in index_map.values()})
+    lo, hi = starts[0][0], starts[-1][1]
+    covered = sum(b - a for a, b in starts)
+    if covered != hi - lo:
+        raise DataError(f"this host's devices hold the non-contiguous batch rows {starts}; order the mesh so "
+                        "that each host holds one block of rows")
+    return lo, hi
 
 
 def to_global(batch: dict, sharding: jax.sharding.Sharding, global_batch_size: int) -> dict:

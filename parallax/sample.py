@@ -36,28 +36,24 @@ def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int
 
 def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperature: float = 0.8) -> str:
     """Restores the latest checkpoint of `workdir` onto one device and continues `prompt` (bytes)."""
-    import os
+    from etils import epath
 
     from parallax import checkpoint as ckpt_lib
     from parallax.config import ConfigError, config_from_json
     from parallax.train import Trainer
 
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
+    path = epath.Path(workdir) / "config.json"
+    if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; train first (make train)")
-    with open(path) as f:
-        config = config_from_json(f.read())
+    config = config_from_json(path.read_text())
     for axis in config.mesh:
         config.mesh[axis] = 1
     trainer = Trainer(config, devices=jax.devices()[:1])
-    checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 0, 1)
+    checkpointer = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1)
     step = checkpointer.latest_step()
     if step is None:
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train first (make train)")
-    abstract = jax.eval_shape(trainer.init_state)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                            trainer.state_shardings)
-    params = checkpointer.restore(abstract, step)["params"]
+    params = checkpointer.restore(trainer.abstract_state(), step)["params"]
     checkpointer.close()
     data = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size
     tokens = generate(trainer.graphdef, params, data, num_tokens or config.train.sample_tokens,

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import ConfigError
+from parallax.mesh import AXES
 
 DEFAULT_RULES: dict[str, object] = {
     # Parameters.
@@ -54,8 +55,23 @@ def make_rules(overrides=None) -> dict[str, object]:
     for name, value in dict(overrides or {}).items():
         if name not in rules:
             raise ConfigError(f"config.sharding.rules.{name}: unknown logical axis; valid: {', '.join(sorted(rules))}")
-        rules[name] = tuple(value) if isinstance(value, list) else value
+        rules[name] = _mesh_axes(name, value)
     return rules
+
+
+def _mesh_axes(name, value):
+    """Normalises a rule value to None, one mesh axis, or a tuple of mesh axes; rejects anything else."""
+    if isinstance(value, str) and value.lower() in ("", "none"):
+        return None
+    axes = (value,) if isinstance(value, str) else tuple(value or ())
+    axes = tuple(a for a in axes if not (a is None or (isinstance(a, str) and a.lower() == "none")))
+    for axis in axes:
+        if axis not in AXES:
+            raise ConfigError(f"config.sharding.rules.{name}={value!r}: {axis!r} is not a mesh axis; use None or "
+                              f"mesh axes from {', '.join(AXES)}")
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
 
 
 def logical_to_spec(names, rules, mesh=None, shape=None, what="array") -> P:
@@ -131,13 +147,3 @@ def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input array."""
     return NamedSharding(mesh, logical_to_spec(("batch", "length") + (None,) * (ndim - 2), rules, mesh))
 
-
-def data_parallel_size(mesh, rules) -> int:
-    """How many ways the batch dimension is split."""
-    spec = logical_to_spec(("batch",), rules, mesh)
-    axes = spec[0] if len(spec) else None
-    axes = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
-    return size

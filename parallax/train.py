@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -68,6 +69,18 @@ def check_config(config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"config.model.dtype={m.dtype!r}: expected one of {', '.join(_DTYPES)}")
     if m.remat not in ("none", "full", "dots"):
         raise ConfigError(f"config.model.remat={m.remat!r}: expected one of none, full, dots")
+    for key in ("steps", "global_batch_size", "seq_len", "log_every", "keep_checkpoints"):
+        if int(t[key]) <= 0:
+            raise ConfigError(f"config.train.{key}={t[key]}: must be >= 1")
+    for key in ("eval_every", "checkpoint_every"):
+        if int(t[key]) < 0:
+            raise ConfigError(f"config.train.{key}={t[key]}: must be >= 0 (0 turns it off)")
+    if t.eval_every and t.eval_batches <= 0:
+        raise ConfigError(f"config.train.eval_batches={t.eval_batches}: must be >= 1 when eval_every > 0")
+    o = config.optim
+    if o.lr < 0 or o.warmup_steps < 0 or o.decay_steps < 0 or o.weight_decay < 0 or o.clip_norm < 0:
+        raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
+                          f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")
     rules = sharding.make_rules(_rule_overrides(config))
     dp = _batch_ways(sizes, rules)
     if t.microbatches <= 0:
@@ -134,12 +147,11 @@ def _check_pipeline(config, sizes, dp):
 
 
 def _rule_overrides(config) -> dict:
-    def norm(v):
-        return None if isinstance(v, str) and v.lower() in ("", "none") else v
-    return {k: norm(v) for k, v in dict(config.sharding.rules).items()}
+    return dict(config.sharding.rules)
 
 
 def _batch_ways(sizes, rules) -> int:
+    """How many ways the batch is split (mesh axes of the `batch` rule), from axis sizes alone."""
     target = rules["batch"]
     axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
     return math.prod(sizes[a] for a in axes)
@@ -299,12 +311,23 @@ class Trainer:
 
     # --- host side -----------------------------------------------------------------------------------
 
+    def abstract_state(self):
+        """ShapeDtypeStructs of the state with its shardings: the restore target."""
+        shapes = jax.eval_shape(lambda: self._init_state(0))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                            self.state_shardings)
+
     def init_state(self, seed: int | None = None):
         """Creates the state directly sharded (nothing is materialised whole on one device)."""
         return self._init(int(self.config.train.seed if seed is None else seed))
 
     def device_batch(self, batch: dict) -> dict:
+        """A host batch (this host's rows, see `host_rows`) -> global arrays with the batch sharding."""
         return data_lib.to_global(batch, self.batch_sharding, self.config.train.global_batch_size)
+
+    def host_rows(self) -> tuple[int, int]:
+        """The rows of the global batch this host must load."""
+        return data_lib.host_rows(self.batch_sharding, self.config.train.global_batch_size)
 
 
 def shape_check(config, num_devices: int) -> dict:
@@ -336,25 +359,29 @@ class TrainResult:
     eval_loss: float | None
     state: dict
     trainer: Trainer
+    preempted: bool = False
 
 
 def make_dataset(config) -> data_lib.Dataset:
     d, t = config.data, config.train
     try:
-        return data_lib.make_dataset(
+        dataset = data_lib.make_dataset(
             d.source, d.path, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=t.seed,
             vocab_size=config.model.vocab_size, eval_fraction=d.eval_fraction,
             eos_id=None if d.eos_id < 0 else d.eos_id)
     except data_lib.DataError as e:
         raise ConfigError(f"config.data: {e}") from None
+    if t.eval_every and dataset.streams["eval"] is None:
+        raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: the corpus at {d.path or 'the default'} "
+                          f"has no eval documents; raise eval_fraction or set train.eval_every=0")
+    return dataset
 
 
 def evaluate(trainer: Trainer, params, dataset, num_batches: int) -> float:
     """Mean token loss over the first `num_batches` batches of the eval split."""
     total = np.zeros(2)
     for i in range(num_batches):
-        batch = trainer.device_batch(dataset.batch(i, "eval", process_index=jax.process_index(),
-                                                   process_count=jax.process_count()))
+        batch = trainer.device_batch(dataset.batch(i, "eval", rows=trainer.host_rows()))
         total += np.asarray(trainer.eval_step(params, batch))
     return float(total[0] / max(total[1], 1.0))
 
@@ -364,69 +391,127 @@ def _progress(step, steps, width=20):
     return "[" + "#" * done + "-" * (width - done) + f"] {100 * step / max(steps, 1):3.0f}%"
 
 
+_MUST_MATCH_ON_RESUME = ("model", "data", "optim", "train.seed", "train.global_batch_size", "train.seq_len")
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def check_resume(config, saved_json: str) -> None:
+    """Raises ConfigError if `config` changes a key that an exact resume depends on (vs the saved config).
+
+    The mesh, the pipeline and logging keys may change; the model, data, optimizer, seed, batch and
+    sequence length may not. `train.steps` may grow only when `optim.decay_steps` fixes the LR schedule.
+    """
+    saved = _flatten(json.loads(saved_json))
+    now = _flatten(json.loads(config.to_json_best_effort()))
+    keys = [k for k in now if k.startswith(tuple(p + "." for p in ("model", "data", "optim")))
+            or k in _MUST_MATCH_ON_RESUME]
+    if not config.optim.decay_steps:
+        keys.append("train.steps")
+    for key in keys:
+        if key in saved and saved[key] != now[key]:
+            hint = (f"; set optim.decay_steps={saved[key]} to extend the run with the same LR schedule"
+                    if key == "train.steps" else "; use a new --workdir to start a different run")
+            raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was trained with "
+                              f"{saved[key]!r}, so resuming would not continue the same run{hint}")
+
+
+def _stop_requested(flag: bool) -> bool:
+    """True on every host if any host received SIGTERM (hosts must stop at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.process_allgather(np.int32(flag)).max())
+
+
 def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainResult:
-    """Trains `config` in `workdir`, resuming from its latest checkpoint; the library entry point."""
+    """Trains `config` in `workdir`, resuming from its latest checkpoint; the library entry point.
+
+    Only process 0 writes `config.json` / `metrics.jsonl` and logs. On SIGTERM every host saves the same
+    step and returns with `preempted=True`; rerunning the same command continues exactly.
+    """
     trainer = Trainer(config, devices)
     dataset = make_dataset(config)
     t = config.train
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    lead = jax.process_index() == 0
+    log = log if lead else (lambda *_: None)
+    workdir = epath.Path(workdir)
+    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", t.checkpoint_every, t.keep_checkpoints,
+                                         async_save=t.async_checkpoint)
+    start = checkpointer.latest_step()
+    config_path = workdir / "config.json"
+    if start is not None and config_path.exists():
+        check_resume(config, config_path.read_text())
+    if lead:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if start is None:
+            config_path.write_text(config.to_json_best_effort(indent=2))
     log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {trainer.num_params / 1e6:.2f}M params; "
         f"{dataset.describe()}")
-
-    checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), t.checkpoint_every,
-                                         t.keep_checkpoints, async_save=t.async_checkpoint)
-    state = trainer.init_state()
-    start = checkpointer.latest_step()
-    if start is not None:
-        state = checkpointer.restore(ckpt_lib.abstract_like(state), start)
+    if start is None:
+        state = trainer.init_state()
+    else:  # restore straight onto the mesh's shardings: no throwaway initialisation
+        state = checkpointer.restore(trainer.abstract_state(), start)
         log(f"resumed from {checkpointer.directory} at step {start}")
     step = first_step = int(state["step"])
 
     stop = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
-    history, eval_loss, tokens_per_step = [], None, t.global_batch_size * t.seq_len
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    run_start = time.perf_counter()
+    history, eval_loss, preempted, tokens_per_step = [], None, False, t.global_batch_size * t.seq_len
+    rows = trainer.host_rows()
+    run_start = last = time.perf_counter()
     try:
+        batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
         while step < t.steps:
-            batch = trainer.device_batch(dataset.batch(step, process_index=jax.process_index(),
-                                                       process_count=jax.process_count()))
-            tic = time.perf_counter()
-            state, metrics = trainer.train_step(state, batch)
-            metrics = jax.device_get(metrics)
-            dt = time.perf_counter() - tic
+            state, metrics = trainer.train_step(state, batch)  # dispatched asynchronously
             step += 1
+            batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
+            metrics = jax.device_get(metrics)  # the next batch was built while the device ran this step
+            now = time.perf_counter()
+            dt, last = now - last, now
             if not metrics["finite"]:
                 if t.nan_policy == "stop":
                     raise TrainingError(
                         f"step {step}: non-finite loss or gradient (loss {float(metrics['loss'])}, grad_norm "
-                        f"{float(metrics['grad_norm'])}); stopped without saving this step. Lower optim.lr, check the data, or set "
-                        f"train.nan_policy=skip")
+                        f"{float(metrics['grad_norm'])}); stopped without saving this step. Lower optim.lr, "
+                        f"check the data, or set train.nan_policy=skip")
                 log(f"step {step}: non-finite loss, update skipped (train.nan_policy=skip)")
             record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(metrics["lr"]), "tokens_per_sec": tokens_per_step / dt, "step_time_s": dt}
+            if step == first_step + 1:
+                record["includes_compile"] = True
             if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):
                 eval_loss = evaluate(trainer, state["params"], dataset, t.eval_batches)
                 record["eval_loss"] = eval_loss
+                last = time.perf_counter()  # eval time is not step time
             if step % t.log_every == 0 or step == t.steps or "eval_loss" in record:
                 history.append(record)
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                done = step - first_step
-                eta = (time.perf_counter() - run_start) / max(done, 1) * (t.steps - step)
+                if lead:
+                    with (workdir / "metrics.jsonl").open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                eta = (time.perf_counter() - run_start) / (step - first_step) * (t.steps - step)
                 line = (f"{_progress(step, t.steps)} step {step}/{t.steps} loss {record['loss']:.4f} "
                         f"grad_norm {record['grad_norm']:.3f} lr {record['lr']:.2e} "
                         f"{record['tokens_per_sec']:,.0f} tok/s {dt:.3f} s/step eta {eta:.0f}s")
                 if "eval_loss" in record:
                     line += f" eval_loss {eval_loss:.4f}"
+                if record.get("includes_compile"):
+                    line += " (first step: includes compilation)"
                 log(line)
-            checkpointer.maybe_save(step, state, force=step == t.steps or stop["signal"] is not None)
-            if stop["signal"] is not None:
-                log(f"received signal {stop['signal']}: saved step {step}, exiting cleanly")
+            preempted = _stop_requested(stop["signal"] is not None)
+            checkpointer.maybe_save(step, state, force=step == t.steps or preempted)
+            if preempted:
+                log(f"received SIGTERM: saved step {step}; rerun the same command to continue")
                 break
     finally:
         signal.signal(signal.SIGTERM, previous)
         checkpointer.close()
-    return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer)
+    return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer, preempted=preempted)

@@ -1,9 +1,16 @@
-"""Exact resume: 6 steps in one run equal 3 steps plus a rerun to 6 in the same workdir."""
+"""Exact resume (rerun, SIGTERM), and resume refusing a config that would not continue the same run."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
-from helpers import tiny_config
+import pytest
+
+from helpers import ROOT, tiny_config
+from parallax.config import ConfigError
 from parallax.train import train_and_evaluate
 
 
@@ -12,20 +19,70 @@ def _losses(workdir):
         return [(r["step"], r["loss"]) for r in map(json.loads, f)]
 
 
-def _config(steps):
+def _config(steps, decay_steps=6):
     config = tiny_config(data=2, fsdp=4)
     config.train.update(steps=steps, log_every=1, checkpoint_every=3, eval_every=0)
-    config.optim.decay_steps = 6  # the schedule must not depend on where this invocation stops
+    config.optim.update(warmup_steps=1, decay_steps=decay_steps)  # cosine part exercised; fixed horizon
     return config
+
+
+def _quiet(*_):
+    pass
 
 
 def test_resume_continues_exactly(tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    train_and_evaluate(_config(6), straight, log=lambda *_: None)
-    train_and_evaluate(_config(3), resumed, log=lambda *_: None)
+    train_and_evaluate(_config(6), straight, log=_quiet)
+    train_and_evaluate(_config(3), resumed, log=_quiet)
     lines = []
     result = train_and_evaluate(_config(6), resumed, log=lines.append)
     assert any("resumed" in line and "step 3" in line for line in lines)
     assert [r["step"] for r in result.history] == [4, 5, 6]
     assert _losses(resumed) == _losses(straight)
     assert len(_losses(straight)) == 6
+
+
+def test_resume_refuses_a_changed_run(tmp_path):
+    workdir = str(tmp_path)
+    train_and_evaluate(_config(3), workdir, log=_quiet)
+    changed = _config(6)
+    changed.train.seed = 1
+    with pytest.raises(ConfigError, match=r"config.train.seed=1: the checkpoint .* was trained with 0"):
+        train_and_evaluate(changed, workdir, log=_quiet)
+    unfixed = str(tmp_path / "unfixed")
+    train_and_evaluate(_config(3, decay_steps=0), unfixed, log=_quiet)
+    with pytest.raises(ConfigError, match=r"config.train.steps=6: .* trained with 3.*set optim.decay_steps=3"):
+        train_and_evaluate(_config(6, decay_steps=0), unfixed, log=_quiet)
+    other_mesh = _config(6)
+    other_mesh.mesh.update(data=8, fsdp=1)  # the mesh may change: restore reshards
+    assert [r["step"] for r in train_and_evaluate(other_mesh, workdir, log=_quiet).history] == [4, 5, 6]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
+    workdir = str(tmp_path / "run")
+    args = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
+            f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8", "--config.train.steps=100000",
+            "--config.train.log_every=1", "--config.train.checkpoint_every=0", "--config.train.eval_every=0",
+            "--config.optim.decay_steps=1000"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and (not os.path.exists(metrics) or len(_losses(workdir)) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "received SIGTERM: saved step" in out
+    stopped = _losses(workdir)[-1][0]
+    assert 3 <= stopped < 100000
+    # Rerun to a few steps past the stop; the losses equal one uninterrupted run.
+    target = stopped + 3
+    rerun = subprocess.run(args[:-5] + [f"--config.train.steps={target}"] + args[-4:], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    straight = tiny_config(data=8)
+    straight.train.update(steps=target, log_every=1, checkpoint_every=0, eval_every=0)
+    straight.optim.decay_steps = 1000
+    train_and_evaluate(straight, str(tmp_path / "straight"), log=_quiet)
+    assert _losses(workdir) == _losses(str(tmp_path / "straight"))

@@ -48,6 +48,8 @@ BAD = [
     (["--config.train.stepz=5"], "unknown key 'stepz'"),
     (["--config.train.steps=many"], "expected an int"),
     (["--config.model.dtype=float16"], "dtype='float16'"),
+    (["--config.sharding.rules.embed=fsdpp"], "'fsdpp' is not a mesh axis"),
+    (["--config.train.log_every=0"], "config.train.log_every=0: must be >= 1"),
 ]
 
 

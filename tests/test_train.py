@@ -1,5 +1,7 @@
 """Data / FSDP parity with the 1-device model, gradient accumulation, sharded init, NaN stop."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -71,6 +73,13 @@ def test_params_are_created_sharded():
     state = trainer.init_state()
     wq = state["params"]["blocks"]["wq"]
     assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 2, 8)}  # (L, D/fsdp, H/tensor, Dh)
+    # XLA's own accounting: each device outputs only its shards of params + Adam's mu and nu.
+    per_device = sum(math.prod(s.shard_shape(p.shape)) * 4 for p, s in
+                     zip(jax.tree.leaves(trainer.abstract_params), jax.tree.leaves(trainer.param_shardings)))
+    full = sum(math.prod(p.shape) * 4 for p in jax.tree.leaves(trainer.abstract_params))
+    memory = compiled.memory_analysis()
+    assert memory.output_size_in_bytes < 3 * per_device + 1024 < 3 * full / 2
+    assert memory.temp_size_in_bytes < full
 
 
 def test_nan_loss_stops_with_clear_message(tmp_path):
@@ -81,3 +90,13 @@ def test_nan_loss_stops_with_clear_message(tmp_path):
     config.train.checkpoint_every = 0
     with pytest.raises(TrainingError, match=r"step \d+: non-finite loss or gradient .*nan_policy=skip"):
         train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
+
+
+def test_nan_policy_skip_keeps_the_weights_finite(tmp_path):
+    config = tiny_config(data=8)
+    config.optim.update(lr=1e30, warmup_steps=0, clip_norm=0.0)
+    config.train.update(checkpoint_every=0, eval_every=0, steps=4, nan_policy="skip")
+    lines = []
+    result = train_and_evaluate(config, str(tmp_path), log=lines.append)
+    assert any("update skipped" in line for line in lines)
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(result.state["params"]))
