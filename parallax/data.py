@@ -279,14 +279,16 @@ def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size
     return Dataset(source, seq_len, global_batch_size, vocab_size, seed, dict(zip(SPLITS, streams)))
 
 
-def host_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple[int, int]:
+def host_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
     """The global batch rows ``[lo, hi)`` that this host's devices hold under ``sharding``.
+
+    ``global_shape`` is the batch arrays' shape, ``(global_batch_size, seq_len)``.
 
     It follows the mesh's device layout, not ``jax.process_index()``: hosts that hold replicas of the same
     rows (e.g. when ``seq`` or ``tensor`` spans hosts) load the same rows.
     """
-    index_map = sharding.addressable_devices_indices_map((global_batch_size,))
-    starts = sorted({idx[0].indices(global_batch_size)[:2] for idx in index_map.values()})
+    index_map = sharding.addressable_devices_indices_map(tuple(global_shape))
+    starts = sorted({idx[0].indices(global_shape[0])[:2] for idx in index_map.values()})
     lo, hi = starts[0][0], starts[-1][1]
     covered = sum(b - a for a, b in starts)
     if covered != hi - lo:

@@ -249,6 +249,6 @@ def test_to_global_builds_arrays_sharded_over_data(synthetic):
 def test_host_rows_follow_the_batch_sharding():
     mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     by_data = NamedSharding(mesh, P("data", "seq"))
-    assert data.host_rows(by_data, 16) == (0, 16)  # one process holds every row
+    assert data.host_rows(by_data, (16, 8)) == (0, 16)  # one process holds every row
     replicated = NamedSharding(mesh, P(None, "seq"))
-    assert data.host_rows(replicated, 16) == (0, 16)
+    assert data.host_rows(replicated, (16, 8)) == (0, 16)
