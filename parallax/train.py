@@ -327,7 +327,7 @@ class Trainer:
 
     def host_rows(self) -> tuple[int, int]:
         """The rows of the global batch this host must load."""
-        return data_lib.host_rows(self.batch_sharding, self.config.train.global_batch_size)
+        return data_lib.host_rows(self.batch_sharding, (self.config.train.global_batch_size, self.config.train.seq_len))
 
 
 def shape_check(config, num_devices: int) -> dict:
