@@ -17,6 +17,9 @@ def cli_main(run, needs_config: bool):
     flags.DEFINE_string("config", None, "Path to a config file with get_config().")
     flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl and config.json.")
     flags.DEFINE_integer("cpu_devices", 0, "Simulate this many CPU devices (before jax starts).")
+    flags.DEFINE_string("coordinator", None, "host:port of process 0, for a multi-process (multi-host) run.")
+    flags.DEFINE_integer("num_processes", 1, "Processes in a multi-process run.")
+    flags.DEFINE_integer("process_id", 0, "This process's id in a multi-process run.")
     extra_flags = getattr(run, "define_flags", None)
     if extra_flags:
         extra_flags()
@@ -29,6 +32,10 @@ def cli_main(run, needs_config: bool):
 
         if flags.FLAGS.cpu_devices:
             simulate_cpu_devices(flags.FLAGS.cpu_devices)
+        if flags.FLAGS.coordinator:
+            from parallax.mesh import initialize_distributed
+
+            initialize_distributed(flags.FLAGS.coordinator, flags.FLAGS.num_processes, flags.FLAGS.process_id)
         if not flags.FLAGS.workdir:
             _config_exit(ConfigError("--workdir is required, e.g. --workdir=/tmp/run1"))
         config = None
