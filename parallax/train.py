@@ -33,6 +33,7 @@ from parallax import optim, sharding
 from parallax.config import ConfigError
 from parallax.pipeline.executor import from_pipeline_layout, pipeline_value_and_grad, to_pipeline_layout
 from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, validate
+from parallax.parallel import vocab
 from parallax.parallel.manual import Parallelism, shard_loss
 from parallax.parallel.sequence import check_sequence_parallel
 
@@ -127,10 +128,11 @@ def make_pipeline_schedule(config, num_ranks: int) -> Schedule:
 
 def _check_pipeline(config, sizes, dp):
     p, pc, m, t = sizes["pipe"], config.pipeline, config.model, config.train
-    if sizes["tensor"] > 1 or sizes["seq"] > 1:
-        raise ConfigError(f"config.mesh.pipe={p} with mesh.tensor={sizes['tensor']}, mesh.seq={sizes['seq']}: "
-                          f"tensor / sequence parallelism inside pipeline stages is not supported yet; "
-                          f"set tensor=1 and seq=1 or pipe=1")
+    if sizes["seq"] > 1 and m.attention == "ring":
+        raise ConfigError(f"config.model.attention='ring' with mesh.pipe={p}, mesh.seq={sizes['seq']}: ring "
+                          f"attention cannot run inside pipeline stages (an XLA collective-permute has no replica "
+                          f"groups, so every device joins each one, while pipeline ranks run different stages); "
+                          f"use attention='ulysses' with pipe > 1")
     if t.microbatches != 1:
         raise ConfigError(f"config.train.microbatches={t.microbatches}: with mesh.pipe={p} the pipeline "
                           f"microbatches the batch itself; set train.microbatches=1 and use pipeline.microbatches")
@@ -241,9 +243,14 @@ class Trainer:
         """Weighted loss sum and its gradients, running `self.pipeline`'s schedule over the `pipe` axis.
 
         The embedding (first stage) and final norm + head + loss (last stage) use the non-layer
-        parameters; the stacked layers go to the executor in its [p, v, L/(p*v), ...] layout.
+        parameters; the stacked layers go to the executor in its [p, v, L/(p*v), ...] layout. With
+        tensor / sequence parallelism every stage runs per rank as in `shard_loss`: weights split over
+        `tensor`, microbatch arrays [rows, T/s] (Ulysses; `_check_pipeline` rejects ring), residual
+        stream [rows, T/(s*t), D] -- also between pipeline ranks. The weights enter whole over FSDP, as
+        without tensor / sequence parallelism (the compiler gathers them once per step, outside the loop).
         """
         schedule, cfg = self.pipeline, self.model_cfg
+        par = self.parallelism.model_axes_only()
         rest = {k: v for k, v in params.items() if k != "blocks"}
         no_blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.abstract_params["blocks"])
         block_graphdef = nnx.split(nnx.merge(self.graphdef, self.abstract_params).blocks)[0]
@@ -252,21 +259,29 @@ class Trainer:
             return nnx.merge(self.graphdef, {**rest_params, "blocks": no_blocks})
 
         def first_fn(rest_params, mb):
-            return model(rest_params).embed_tokens(mb["inputs"])
+            return model(rest_params).embed_tokens(mb["inputs"], par)
 
         def stage_fn(chunk, x, mb):
-            return apply_layers(block_graphdef, chunk, x, mb["segment_ids"], mb["positions"], cfg.remat)
+            return apply_layers(block_graphdef, chunk, x, mb["segment_ids"], mb["positions"], cfg.remat, par)
 
-        def last_fn(rest_params, x, mb):
-            return cross_entropy_sum(model(rest_params).logits(x), mb["targets"], mb["weights"])
+        def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
+            logits = model(rest_params).logits(x, par)
+            if par.tensor > 1:  # the full value on every tensor rank
+                return vocab.vocab_parallel_cross_entropy(logits, mb["targets"], mb["weights"])
+            return cross_entropy_sum(logits, mb["targets"], mb["weights"])
 
+        rest_specs = par.param_specs({k: v for k, v in self.logical.items() if k != "blocks"})
+        # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
+        stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), par.param_specs(self.logical["blocks"]))
         batch_axes = sharding.logical_to_spec(("batch",), self.rules, self.mesh)
         batch_axes = tuple(batch_axes[0]) if len(batch_axes) and isinstance(batch_axes[0], tuple) else tuple(batch_axes)
         loss, grads = pipeline_value_and_grad(
             schedule, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
             params={"first": rest, "stages": to_pipeline_layout(params["blocks"], schedule), "last": rest},
             inputs=self._split_microbatches(batch, schedule.num_microbatches), mesh=self.mesh,
-            remat=bool(self.config.pipeline.remat), batch_axes=batch_axes)
+            remat=bool(self.config.pipeline.remat), batch_axes=batch_axes,
+            param_specs={"first": rest_specs, "stages": stage_specs, "last": rest_specs},
+            input_spec=P("seq") if par.seq > 1 else P())
         rest_grads = jax.tree.map(jnp.add, grads["first"], grads["last"])
         return loss, {**rest_grads, "blocks": from_pipeline_layout(grads["stages"], schedule)}
 

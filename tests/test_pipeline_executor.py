@@ -139,12 +139,13 @@ def test_adam_steps_match_unpipelined_training(name, v):
 
 
 def _tick_scan_lengths(jaxpr):
-  """Lengths of the scans in the shard_map body that scan over the int32 instruction table."""
+  """Lengths of the scans in the shard_map body that scan over the int32 instruction table (an int32
+  [ticks, ...] operand whose leading dim is the scan length; works whatever the scan's param names)."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "shard_map":
       return [e.params["length"] for e in eqn.params["jaxpr"].eqns if e.primitive.name == "scan"
-              and any(x.aval.dtype == jnp.int32 and x.aval.ndim == 3
-                      for x in e.invars[e.params["num_consts"] + e.params["num_carry"]:])]
+              and any(getattr(x.aval, "dtype", None) == jnp.int32 and x.aval.ndim == 3
+                      and x.aval.shape[0] == e.params["length"] for x in e.invars)]
   raise AssertionError("no shard_map in the jaxpr")
 
 

@@ -65,13 +65,42 @@ def test_pipeline_with_fsdp_and_remat_matches_single_device(reference, schedule)
     np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
 
 
+# Tensor / sequence parallelism inside the stages: (schedule, mesh, attention, training steps checked).
+MODEL_PARALLEL_CASES = [
+    ("1f1b", dict(data=2, tensor=2), "dense", 5),
+    ("zbv", dict(data=2, seq=2), "ulysses", 0),
+    ("1f1b", dict(tensor=2, seq=2), "ulysses", 5),
+    ("1f1b", dict(fsdp=2, tensor=2), "dense", 0),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,mesh,attention,steps", MODEL_PARALLEL_CASES,
+                         ids=[f"{s}-" + ",".join(f"{k}={v}" for k, v in m.items()) + f"-{a}"
+                              for s, m, a, _ in MODEL_PARALLEL_CASES])
+def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device(
+        reference, schedule, mesh, attention, steps):
+    ref_loss, ref_grads, ref_losses = reference
+    config = _config(schedule, pipe=2, **mesh)
+    config.model.attention = attention
+    loss, grads, losses = _loss_grads_and_steps(config, jax.devices(), steps)
+    err, where = max_leaf_rel_err(grads, ref_grads)
+    print(f"{schedule} {mesh} {attention}: loss rel err {rel_err(loss, ref_loss):.2e}, worst gradient {where} "
+          f"{err:.2e}" + (f", step losses max rel err {max(rel_err(a, b) for a, b in zip(losses, ref_losses)):.2e}"
+                          if steps else ""))
+    assert rel_err(loss, ref_loss) <= TOL
+    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
+    np.testing.assert_allclose(losses, ref_losses[:steps], rtol=TOL)
+
+
 @pytest.mark.parametrize("change,expected", [
     (dict(model=dict(num_layers=6)), "num_layers=6: not divisible into 4 pipeline stages"),
     (dict(pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)), "set microbatches=4"),
     (dict(pipeline=dict(schedule="pipedream")), "unknown schedule 'pipedream'"),
     (dict(pipeline=dict(microbatches=3)), "pipeline.microbatches=3"),
     (dict(train=dict(microbatches=2)), "set train.microbatches=1"),
-], ids=["layers", "interleaved-m", "unknown", "batch", "accumulation"])
+    (dict(mesh=dict(data=1, seq=2), model=dict(attention="ring")), "use attention='ulysses' with pipe > 1"),
+], ids=["layers", "interleaved-m", "unknown", "batch", "accumulation", "ring"])
 def test_bad_pipeline_config_names_the_fix(change, expected):
     config = _config("1f1b", pipe=4, data=2)
     for section, values in change.items():

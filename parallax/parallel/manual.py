@@ -73,6 +73,10 @@ class Parallelism:
     def spec(self, names) -> P:
         return logical_to_spec(names, dict(self.rules), types.SimpleNamespace(shape=dict(self.mesh_shape)))
 
+    def param_specs(self, logical):
+        """A params tree of logical names -> the tree of their PartitionSpecs (`spec` of each)."""
+        return jax.tree.map(self.spec, logical, is_leaf=_is_names)
+
     def unshard(self, w, names):
         """All-gathers the dims of weight `w` (logical `names`) sharded over non-model axes, e.g. FSDP's
         `embed -> fsdp`; the `tensor` split stays. Identity for `DENSE`. Its gradient is a reduce-scatter."""
@@ -103,6 +107,13 @@ class Parallelism:
         batch = self.spec(("batch",))
         axes = (_axes(batch[0]) if len(batch) else ()) + (("seq",) if self.seq > 1 else ())
         return jax.lax.psum(x, axes) if axes else x
+
+    def model_axes_only(self) -> "Parallelism":
+        """This description for a region whose weights enter whole over every axis but `seq` / `tensor`
+        (the pipeline's stages: the compiler gathers FSDP shards once per step, outside the region).
+        `spec` then names only those axes and `unshard` is the identity; `sum_tokens` is not for it."""
+        return dataclasses.replace(
+            self, mesh_shape=tuple((a, n if a in MODEL_AXES else 1) for a, n in self.mesh_shape))
 
     @property
     def zigzag(self) -> bool:
@@ -143,7 +154,7 @@ def shard_loss(loss_fn, par: Parallelism, mesh, param_logical):
     `batch` and `length` rules. `loss_fn` gets params still sharded over FSDP (the model calls
     `par.unshard` where it uses a weight) and must return a value reduced over all axes (`par.sum_tokens`).
     """
-    param_specs = jax.tree.map(par.spec, param_logical, is_leaf=_is_names)
+    param_specs = par.param_specs(param_logical)
     batch_spec = par.spec(("batch", None if par.zigzag else "length"))
 
     def per_rank(params, batch):

@@ -177,15 +177,28 @@ def from_pipeline_layout(staged, schedule: Schedule):
   return jax.tree.map(one, staged)
 
 
-def _place(tree, mesh, spec):
-  """Puts `tree` in sharding `spec` if the mesh has explicit axes (shard_map then requires it)."""
+def _place(tree, mesh, specs):
+  """Puts `tree` in sharding `specs` (one spec, or a tree of them) if the mesh has explicit axes
+  (shard_map then requires it)."""
   if all(t != AxisType.Explicit for t in mesh.axis_types):
     return tree
-  return jax.tree.map(lambda a: jax.reshard(a, NamedSharding(mesh, spec)), tree)
+  if isinstance(specs, P):
+    specs = jax.tree.map(lambda _: specs, tree)
+  return jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), tree, specs)
+
+
+def _vma(a) -> frozenset:
+  """The manual mesh axes over which `a` varies (its type inside the shard_map)."""
+  return jax.typeof(a).manual_axis_type.varying
+
+
+def _axes_of(spec) -> set:
+  """Mesh axes a PartitionSpec names."""
+  return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
 
 def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, params, inputs, mesh,
-                            remat=False, batch_axes=("data", "fsdp")):
+                            remat=False, batch_axes=("data", "fsdp"), param_specs=None, input_spec=P()):
   """Loss and gradients of a pipelined model, running `schedule` over the mesh axis `pipe`.
 
   The model is `sum_mb last_fn(last, stage_{S-1}(... stage_0(first_fn(first, mb)) ...), mb)`, where
@@ -193,19 +206,32 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
 
   params: {'first': pytree (used by stage 0's rank), 'stages': pytree with leaves `[p, v, ...]` in the
     local chunk layout of `to_pipeline_layout` (dim 0 sharded over `pipe`), 'last': pytree}.
-  inputs: dict of arrays `[m, mb_rows, ...]`; rows are split over the `batch_axes` of size > 1.
+  inputs: dict of arrays `[m, mb_rows, ...]`; rows are split over the `batch_axes` of size > 1, the
+    dims after them as `input_spec` says (e.g. `P('seq')`: the sequence split over `seq`).
+  param_specs: optional {'first', 'stages', 'last'} trees of PartitionSpecs (a missing key or None:
+    replicated) for model parallelism inside the stages, e.g. `P(None, 'tensor')`; for 'stages' they
+    describe the dims after `[p, v]`. The functions then run on these shards, with collectives of
+    their own over the axes the specs (and `input_spec`) name.
   first_fn(first, mb_inputs) -> x `[rows, ...]`; stage_fn(chunk, x, mb_inputs) -> x (same shape and
-    dtype); last_fn(last, x, mb_inputs) -> scalar, normalised so the sum over microbatches (and over
-    the batch shards) is the loss.
+    dtype); last_fn(last, x, mb_inputs) -> scalar, normalised so the sum over microbatches, over the
+    batch shards and over every other manual axis its value varies over (e.g. `seq` shards of the
+    tokens) is the loss. A value already complete on every rank of an axis (e.g. a vocabulary-parallel
+    cross-entropy, psummed over `tensor`) is invariant over it, and is not summed over it.
   remat: store only each chunk's input and recompute its forward in the backward, instead of storing
     the vjp residuals.
 
-  Returns (loss, grads): grads has the structure and layout of `params`, in float32 (accumulated in
-  float32), and equals `jax.value_and_grad` of the unpipelined model.
+  Returns (loss, grads): grads has the structure and layout of `params` (sharded as `param_specs`), in
+  float32 (accumulated in float32), and equals `jax.value_and_grad` of the unpipelined model.
 
-  This version replicates `first`, `last` and the stage weights over the batch axes inside the
-  shard_map (stage weights are sharded over `pipe` only), and gives every rank every microbatch's
-  inputs (replicated over `pipe`). Gradients are reduced over the batch axes once, after the loop.
+  The shard_map is manual over `pipe`, the batch axes and the axes the specs name. Every weight is cast
+  to varying over all of them before any vjp, so no transpose inserts a collective inside the loop; each
+  gradient leaf is summed once, after the loop, over the manual axes its spec replicates it over. Every
+  rank gets every microbatch's inputs (replicated over `pipe`).
+
+  Collectives inside the functions run inside per-rank switch branches, so they must stay within one
+  pipeline rank: those with replica groups (psum, all-gather, reduce-scatter, all-to-all over the model
+  axes) do. A `ppermute` does not: an XLA collective-permute has no replica groups, every device joins
+  each one, and on XLA:CPU permutes of different branches and ticks get matched (wrong values).
   """
   prog = compile_schedule(schedule)
   p, v, m = schedule.num_ranks, schedule.num_chunks, schedule.num_microbatches
@@ -222,19 +248,38 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
     if a.shape[:2] != (p, v):
       raise ValueError(f"stage weight {jax.tree_util.keystr(path)} has shape {a.shape}; it needs "
                        f"[p={p}, v={v}, ...]: convert stacked weights with to_pipeline_layout")
-  manual = ("pipe",) + batch
-  batch_spec = P(None, batch if batch else None)
+  param_specs = param_specs or {}
+  specs = {}  # full in/out spec per params leaf
+  for key in ("first", "stages", "last"):
+    given = param_specs.get(key)
+    tree = jax.tree.structure(params[key])
+    leaf_specs = [P()] * tree.num_leaves if given is None else tree.flatten_up_to(given)
+    if key == "stages":
+      leaf_specs = [P("pipe", None, *s) for s in leaf_specs]
+    specs[key] = jax.tree.unflatten(tree, leaf_specs)
+  model_axes = set().union(_axes_of(input_spec), *map(_axes_of, jax.tree.leaves(specs))) - {"pipe"}
+  unknown = model_axes - set(mesh.axis_names)
+  if unknown or set(batch) & model_axes:
+    raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
+                     f"{mesh.axis_names} other than pipe and the batch axes {batch}")
+  manual = ("pipe",) + batch + tuple(a for a in mesh.axis_names if a in model_axes and mesh.shape[a] > 1)
+  batch_spec = P(None, batch if batch else None, *input_spec)
+
+  def cast(a, axes):  # `a` varying over `axes` as well
+    missing = tuple(x for x in axes if x not in _vma(a))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
 
   def vary(tree):  # varying over every manual axis, so that no vjp transpose inserts a psum
-    def one(a):
-      missing = tuple(x for x in manual if x not in jax.typeof(a).manual_axis_type.varying)
-      return jax.lax.pcast(a, missing, to="varying") if missing else a
-    return jax.tree.map(one, tree)
+    return jax.tree.map(lambda a: cast(a, manual), tree)
 
   def body(first_p, stage_p, last_p, inputs):
     rank = jax.lax.axis_index("pipe")
-    first_p, last_p, inputs = vary(first_p), vary(last_p), vary(inputs)
+    first_p, last_p = vary(first_p), vary(last_p)
     stage_p = vary(jax.tree.map(lambda a: a[0], stage_p))  # [v, ...]
+    # Inputs vary over `pipe` too (so that whatever the stages derive from them counts as per-microbatch,
+    # see the probe) but stay invariant over the model axes: they are the same on those ranks, which
+    # keeps, e.g., a vocabulary-parallel loss invariant over `tensor`.
+    inputs = jax.tree.map(lambda a: cast(a, ("pipe",)), inputs)
 
     def mb_inputs(i):
       return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), inputs)
@@ -261,11 +306,14 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
           roles.append(("w", next(i for i, a in enumerate(w_leaves) if leaf is a)))
         elif any(leaf is a for a in mb_leaves):
           roles.append(("mb", next(i for i, a in enumerate(mb_leaves) if leaf is a)))
-        elif set(manual) - jax.typeof(leaf).manual_axis_type.varying:
+        elif "pipe" not in _vma(leaf):  # derived from neither the weights nor the inputs
           roles.append(("const", leaf))
         else:
           roles.append(("res", sum(r == "res" for r, _ in roles)))
       res_avals = [leaf for (r, _), leaf in zip(roles, probe_leaves) if r == "res"]
+    # The loss is summed over `pipe` and over the manual axes last_fn's value varies over.
+    loss_vma = _vma(last_fn(last_p, x0, mb0))  # a probe: only its type is used
+    loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
 
     def forward(c, x, mb):  # -> (y, residual leaves to store)
       if remat:
@@ -289,8 +337,9 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
 
     f32 = jnp.float32
 
-    def zeros(a, dtype=None):
-      return vary(jnp.zeros(a.shape, dtype or a.dtype))
+    def zeros(a, dtype=None, axes=None):  # zeros like `a`, varying over `axes` (default: as `a` is)
+      axes = tuple(_vma(a)) if axes is None else axes
+      return cast(jnp.zeros(a.shape, dtype or a.dtype), axes)
 
     def add(acc, d):
       return jax.tree.map(jnp.add, acc, d)
@@ -317,7 +366,8 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
       return (zeros(x0) if msg is None else msg.astype(x0.dtype),
               tuple(zeros(a) for a in res_avals) if res is None else res,
               f32_or_zeros(dw, w0), f32_or_zeros(dfirst, first_p), f32_or_zeros(dlast, last_p),
-              f32_or_zeros(loss, jax.ShapeDtypeStruct((), f32)))
+              zeros(jax.ShapeDtypeStruct((), f32), axes=loss_axes) if loss is None else
+              cast(loss.astype(f32), loss_axes))
 
     def idle(slots, inbox, ins):
       return out()
@@ -369,22 +419,26 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
         inbox = write(inbox, ins[_FROM_DOWN], jax.lax.ppermute(msg, "pipe", prog.down_perm))
       return (slots, inbox, gw, gf, gl, loss + dloss), None
 
-    slots = tuple(zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype)) for a in res_avals)
-    inbox = zeros(jax.ShapeDtypeStruct((prog.inbox_size, *x0.shape), x0.dtype))
+    slots = tuple(zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a))
+                  for a in res_avals)
+    inbox = zeros(jax.ShapeDtypeStruct((prog.inbox_size, *x0.shape), x0.dtype), axes=_vma(x0))
     acc = jax.tree.map(lambda a: zeros(a, f32), (stage_p, first_p, last_p))
-    carry = (slots, inbox, *acc, zeros(jax.ShapeDtypeStruct((), f32)))
+    carry = (slots, inbox, *acc, zeros(jax.ShapeDtypeStruct((), f32), axes=loss_axes))
     (_, _, gw, gf, gl, loss), _ = jax.lax.scan(tick, carry, jnp.asarray(prog.code))
-    # Reduce once, after the loop: stage grads over the batch shards; first / last grads and the loss
-    # also over `pipe` (only the ranks holding stage 0 / the last stage contributed).
-    if batch:
-      gw = jax.lax.psum(gw, batch)
-    gw = jax.tree.map(lambda a: a[None], gw)
-    gf, gl, loss = jax.lax.psum((gf, gl, loss), manual)
-    return loss, {"first": gf, "stages": gw, "last": gl}
+    # Reduce once, after the loop, each leaf over the manual axes it is replicated over: the batch
+    # shards (and model axes such as `seq`) hold partial sums, and only the ranks holding stage 0 / the
+    # last stage contributed to the first / last grads and the loss. One psum per distinct axis set.
+    grads = {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl}
+    leaves, tree = jax.tree.flatten((loss, grads))
+    axes = [loss_axes] + [tuple(a for a in manual if a not in _axes_of(s)) for s in jax.tree.leaves(specs)]
+    for group in dict.fromkeys(a for a in axes if a):
+      idx = [i for i, a in enumerate(axes) if a == group]
+      for i, r in zip(idx, jax.lax.psum([leaves[i] for i in idx], group)):
+        leaves[i] = r
+    return jax.tree.unflatten(tree, leaves)
 
-  specs = (P(), P("pipe"), P(), batch_spec)
+  in_specs = (specs["first"], specs["stages"], specs["last"], batch_spec)
   args = (params["first"], params["stages"], params["last"], inputs)
-  args = tuple(_place(a, mesh, s) for a, s in zip(args, specs))
-  run = jax.shard_map(body, mesh=mesh, in_specs=specs, axis_names=set(manual),
-                      out_specs=(P(), {"first": P(), "stages": P("pipe"), "last": P()}))
+  args = tuple(_place(a, mesh, s) for a, s in zip(args, in_specs))
+  run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, axis_names=set(manual), out_specs=(P(), specs))
   return run(*args)
