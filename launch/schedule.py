@@ -26,31 +26,31 @@ flags.DEFINE_string("png", "", "also write the lockstep timeline to this PNG fil
 
 
 def _fail(message: str):
-  print(f"schedule: {message}", file=sys.stderr)
-  sys.exit(2)
+    print(f"schedule: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _parse_flags(argv):
-  try:
-    rest = FLAGS(argv)
-  except flags.Error as e:
-    _fail(str(e))
-  if len(rest) > 1:
-    _fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
-  return rest
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e))
+    if len(rest) > 1:
+        _fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
+    return rest
 
 
 def main(argv):
-  del argv
-  try:
-    costs = parse_costs(FLAGS.costs)
-    schedule = make_schedule(FLAGS.schedule, FLAGS.stages, FLAGS.microbatches, FLAGS.virtual)
-  except ValueError as e:  # ScheduleError is a ValueError
-    _fail(str(e))
-  if FLAGS.png:
-    render_png(schedule, FLAGS.png, costs)
-  print(render_summary(schedule, costs))
+    del argv
+    try:
+        costs = parse_costs(FLAGS.costs)
+        schedule = make_schedule(FLAGS.schedule, FLAGS.stages, FLAGS.microbatches, FLAGS.virtual)
+    except ValueError as e:  # ScheduleError is a ValueError
+        _fail(str(e))
+    if FLAGS.png:
+        render_png(schedule, FLAGS.png, costs)
+    print(render_summary(schedule, costs))
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=_parse_flags)

@@ -21,225 +21,225 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), (
 
 
 def rms(x):
-  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
 
 
 def first_fn(fp, mb):
-  return fp["emb"][mb["tokens"]]  # (rows, T, D)
+    return fp["emb"][mb["tokens"]]  # (rows, T, D)
 
 
 def stage_fn(w, x, mb):
-  def layer(x, wl):
-    h = jnp.tanh((rms(x) * wl["g"]) @ wl["w1"]) @ wl["w2"]  # (rows, T, D)
-    return x + mb["mask"][..., None].astype(x.dtype) * h, None
-  return jax.lax.scan(layer, x, w)[0]
+    def layer(x, wl):
+        h = jnp.tanh((rms(x) * wl["g"]) @ wl["w1"]) @ wl["w2"]  # (rows, T, D)
+        return x + mb["mask"][..., None].astype(x.dtype) * h, None
+    return jax.lax.scan(layer, x, w)[0]
 
 
 def last_fn(lp, x, mb):
-  logits = (rms(x) * lp["g"]) @ lp["head"]  # (rows, T, VOCAB)
-  ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, mb["labels"][..., None], -1)[..., 0]
-  return jnp.sum(mb["weight"] * ce)
+    logits = (rms(x) * lp["g"]) @ lp["head"]  # (rows, T, VOCAB)
+    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, mb["labels"][..., None], -1)[..., 0]
+    return jnp.sum(mb["weight"] * ce)
 
 
 def make_model(layers=LAYERS, m=M, rows=ROWS, d=D, ff=FF, t=T, seed=0):
-  """Params with stacked layers `[L, ...]` and microbatched inputs `[m, rows, t]`."""
-  k = jax.random.split(jax.random.key(seed), 8)
-  params = {
-      "first": {"emb": jax.random.normal(k[0], (VOCAB, d))},
-      "layers": {"w1": jax.random.normal(k[1], (layers, d, ff)) / np.sqrt(d),
-                 "w2": jax.random.normal(k[2], (layers, ff, d)) / np.sqrt(ff),
-                 "g": 1 + 0.1 * jax.random.normal(k[3], (layers, d))},
-      "last": {"g": jnp.ones(d), "head": jax.random.normal(k[4], (d, VOCAB)) / np.sqrt(d)},
-  }
-  weight = jax.random.uniform(k[5], (m, rows, t))
-  inputs = {"tokens": jax.random.randint(k[6], (m, rows, t), 0, VOCAB),
-            "labels": jax.random.randint(k[7], (m, rows, t), 0, VOCAB),
-            "mask": (jax.random.uniform(k[3], (m, rows, t)) > 0.2).astype(jnp.float32),
-            "weight": weight / weight.sum()}
-  return params, inputs
+    """Params with stacked layers `[L, ...]` and microbatched inputs `[m, rows, t]`."""
+    k = jax.random.split(jax.random.key(seed), 8)
+    params = {
+        "first": {"emb": jax.random.normal(k[0], (VOCAB, d))},
+        "layers": {"w1": jax.random.normal(k[1], (layers, d, ff)) / np.sqrt(d),
+                   "w2": jax.random.normal(k[2], (layers, ff, d)) / np.sqrt(ff),
+                   "g": 1 + 0.1 * jax.random.normal(k[3], (layers, d))},
+        "last": {"g": jnp.ones(d), "head": jax.random.normal(k[4], (d, VOCAB)) / np.sqrt(d)},
+    }
+    weight = jax.random.uniform(k[5], (m, rows, t))
+    inputs = {"tokens": jax.random.randint(k[6], (m, rows, t), 0, VOCAB),
+              "labels": jax.random.randint(k[7], (m, rows, t), 0, VOCAB),
+              "mask": (jax.random.uniform(k[3], (m, rows, t)) > 0.2).astype(jnp.float32),
+              "weight": weight / weight.sum()}
+    return params, inputs
 
 
 def reference_loss(params, inputs):
-  flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), inputs)  # the whole batch at once
-  x = first_fn(params["first"], flat)
-  return last_fn(params["last"], stage_fn(params["layers"], x, flat), flat)
+    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), inputs)  # the whole batch at once
+    x = first_fn(params["first"], flat)
+    return last_fn(params["last"], stage_fn(params["layers"], x, flat), flat)
 
 
 @functools.cache
 def reference():
-  params, inputs = make_model()
-  return jax.jit(jax.value_and_grad(reference_loss))(params, inputs)
+    params, inputs = make_model()
+    return jax.jit(jax.value_and_grad(reference_loss))(params, inputs)
 
 
 def pipelined(sched, mesh, remat=False):
-  """jitted (params with stacked layers, inputs) -> (loss, grads with stacked layers)."""
-  def run(params, inputs):
-    staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
-              "last": params["last"]}
-    loss, g = executor.pipeline_value_and_grad(
-        sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
-        mesh=mesh, remat=remat)
-    return loss, {"first": g["first"], "layers": executor.from_pipeline_layout(g["stages"], sched),
-                  "last": g["last"]}
-  return jax.jit(run)
+    """jitted (params with stacked layers, inputs) -> (loss, grads with stacked layers)."""
+    def run(params, inputs):
+        staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+                  "last": params["last"]}
+        loss, g = executor.pipeline_value_and_grad(
+            sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
+            mesh=mesh, remat=remat)
+        return loss, {"first": g["first"], "layers": executor.from_pipeline_layout(g["stages"], sched),
+                      "last": g["last"]}
+    return jax.jit(run)
 
 
 def rel_err(a, b):
-  return float(jnp.linalg.norm(jnp.ravel(a - b)) / jnp.linalg.norm(jnp.ravel(b)))
+    return float(jnp.linalg.norm(jnp.ravel(a - b)) / jnp.linalg.norm(jnp.ravel(b)))
 
 
 def assert_matches_reference(loss, grads):
-  ref_loss, ref_grads = reference()
-  assert rel_err(loss, ref_loss) <= 1e-5
-  errs = jax.tree.map(rel_err, grads, ref_grads)
-  worst = max(jax.tree.leaves(errs))
-  assert worst <= 1e-5, errs
+    ref_loss, ref_grads = reference()
+    assert rel_err(loss, ref_loss) <= 1e-5
+    errs = jax.tree.map(rel_err, grads, ref_grads)
+    worst = max(jax.tree.leaves(errs))
+    assert worst <= 1e-5, errs
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("name,v", SCHEDULES, ids=[n for n, _ in SCHEDULES])
 def test_schedule_grads_match_unpipelined(name, v, p, remat):
-  sched = make_schedule(name, p, M, v)
-  mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
-  params, inputs = make_model()
-  assert_matches_reference(*pipelined(sched, mesh, remat)(params, inputs))
+    sched = make_schedule(name, p, M, v)
+    mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
+    params, inputs = make_model()
+    assert_matches_reference(*pipelined(sched, mesh, remat)(params, inputs))
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])
 def test_grads_match_unpipelined_on_data_fsdp_pipe_mesh(name, v):
-  sched = make_schedule(name, 2, M, v)
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "pipe"))
-  params, inputs = make_model()
-  assert_matches_reference(*pipelined(sched, mesh)(params, inputs))
+    sched = make_schedule(name, 2, M, v)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "pipe"))
+    params, inputs = make_model()
+    assert_matches_reference(*pipelined(sched, mesh)(params, inputs))
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])
 def test_adam_steps_match_unpipelined_training(name, v):
-  sched = make_schedule(name, 2, M, v)
-  mesh = jax.make_mesh((4, 2), ("data", "pipe"))
-  params, inputs = make_model()
-  opt = optax.adam(1e-2)
-  grad_fns = {"pipe": pipelined(sched, mesh), "ref": jax.value_and_grad(reference_loss)}
-  losses = {}
-  for key, grad_fn in grad_fns.items():
-    @jax.jit
-    def step(params, opt_state):
-      loss, grads = grad_fn(params, inputs)
-      updates, opt_state = opt.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
+    sched = make_schedule(name, 2, M, v)
+    mesh = jax.make_mesh((4, 2), ("data", "pipe"))
+    params, inputs = make_model()
+    opt = optax.adam(1e-2)
+    grad_fns = {"pipe": pipelined(sched, mesh), "ref": jax.value_and_grad(reference_loss)}
+    losses = {}
+    for key, grad_fn in grad_fns.items():
+        @jax.jit
+        def step(params, opt_state):
+            loss, grads = grad_fn(params, inputs)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
-    state = (params, opt.init(params))
-    losses[key] = []
-    for _ in range(5):
-      *state, loss = step(*state)
-      losses[key].append(float(loss))
-  np.testing.assert_allclose(losses["pipe"], losses["ref"], rtol=1e-5)
-  assert losses["ref"][-1] < losses["ref"][0]
+        state = (params, opt.init(params))
+        losses[key] = []
+        for _ in range(5):
+            *state, loss = step(*state)
+            losses[key].append(float(loss))
+    np.testing.assert_allclose(losses["pipe"], losses["ref"], rtol=1e-5)
+    assert losses["ref"][-1] < losses["ref"][0]
 
 
 def _tick_scan_lengths(jaxpr):
-  """Lengths of the scans in the shard_map body that scan over the int32 instruction table (an int32
-  [ticks, ...] operand whose leading dim is the scan length; works whatever the scan's param names)."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "shard_map":
-      return [e.params["length"] for e in eqn.params["jaxpr"].eqns if e.primitive.name == "scan"
-              and any(getattr(x.aval, "dtype", None) == jnp.int32 and x.aval.ndim == 3
-                      and x.aval.shape[0] == e.params["length"] for x in e.invars)]
-  raise AssertionError("no shard_map in the jaxpr")
+    """Lengths of the scans in the shard_map body that scan over the int32 instruction table (an int32
+    [ticks, ...] operand whose leading dim is the scan length; works whatever the scan's param names)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            return [e.params["length"] for e in eqn.params["jaxpr"].eqns if e.primitive.name == "scan"
+                    and any(getattr(x.aval, "dtype", None) == jnp.int32 and x.aval.ndim == 3
+                            and x.aval.shape[0] == e.params["length"] for x in e.invars)]
+    raise AssertionError("no shard_map in the jaxpr")
 
 
 @pytest.mark.parametrize("name,v,p", [("1f1b", 1, 4), ("zbv", 2, 2)])
 def test_scan_runs_schedule_num_ticks(name, v, p):
-  sched = make_schedule(name, p, M, v)
-  mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
-  params, inputs = make_model()
-  staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
-            "last": params["last"]}
-  jaxpr = jax.make_jaxpr(lambda staged, inputs: executor.pipeline_value_and_grad(
-      sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
-      mesh=mesh))(staged, inputs)
-  assert _tick_scan_lengths(jaxpr.jaxpr) == [sched.num_ticks]
-  assert executor.compile_schedule(sched).num_ticks == sched.num_ticks
+    sched = make_schedule(name, p, M, v)
+    mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
+    params, inputs = make_model()
+    staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+              "last": params["last"]}
+    jaxpr = jax.make_jaxpr(lambda staged, inputs: executor.pipeline_value_and_grad(
+        sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
+        mesh=mesh))(staged, inputs)
+    assert _tick_scan_lengths(jaxpr.jaxpr) == [sched.num_ticks]
+    assert executor.compile_schedule(sched).num_ticks == sched.num_ticks
 
 
 def test_collectives_are_two_ppermutes_per_tick_and_one_final_reduction():
-  sched = make_schedule("zbv", 4, M, 2)
-  mesh = jax.make_mesh((2, 4), ("data", "pipe"))
-  params, inputs = make_model()
-  staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
-            "last": params["last"]}
-  hlo = jax.jit(lambda staged, inputs: executor.pipeline_value_and_grad(
-      sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
-      mesh=mesh)).lower(staged, inputs).compile().as_text()
-  ops = {}  # computation -> collective op names in it
-  for line in hlo.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
-    for op in ("all-reduce", "collective-permute", "all-gather", "all-to-all"):
-      if re.search(rf"= .*\b{op}(-start)?\(", line):
-        ops.setdefault(comp, []).append(op)
-  loop_ops = sorted(op for comp, found in ops.items() if comp != "ENTRY" for op in found)
-  assert loop_ops == ["collective-permute"] * 2  # zbv sends both up and down the ring
-  assert ops["ENTRY"].count("all-reduce") <= 2  # the gradients and the loss, once, after the loop
+    sched = make_schedule("zbv", 4, M, 2)
+    mesh = jax.make_mesh((2, 4), ("data", "pipe"))
+    params, inputs = make_model()
+    staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+              "last": params["last"]}
+    hlo = jax.jit(lambda staged, inputs: executor.pipeline_value_and_grad(
+        sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
+        mesh=mesh)).lower(staged, inputs).compile().as_text()
+    ops = {}  # computation -> collective op names in it
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
+        for op in ("all-reduce", "collective-permute", "all-gather", "all-to-all"):
+            if re.search(rf"= .*\b{op}(-start)?\(", line):
+                ops.setdefault(comp, []).append(op)
+    loop_ops = sorted(op for comp, found in ops.items() if comp != "ENTRY" for op in found)
+    assert loop_ops == ["collective-permute"] * 2  # zbv sends both up and down the ring
+    assert ops["ENTRY"].count("all-reduce") <= 2  # the gradients and the loss, once, after the loop
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)])
 def test_1f1b_like_buffers_do_not_grow_with_microbatches(name, v):
-  sizes = set()
-  for m in (8, 16, 32):
-    prog = executor.compile_schedule(make_schedule(name, 4, m, v))
-    sizes.add((prog.inbox_size, prog.num_slots))
-  assert len(sizes) == 1, sizes
+    sizes = set()
+    for m in (8, 16, 32):
+        prog = executor.compile_schedule(make_schedule(name, 4, m, v))
+        sizes.add((prog.inbox_size, prog.num_slots))
+    assert len(sizes) == 1, sizes
 
 
 def test_gpipe_uses_more_temp_memory_per_microbatch_than_1f1b():
-  p, rows, d, ff, t = 4, 16, 64, 128, 16
-  mesh = jax.make_mesh((2, p), ("data", "pipe"))
-  temp = {}
-  for name in ("gpipe", "1f1b"):
+    p, rows, d, ff, t = 4, 16, 64, 128, 16
+    mesh = jax.make_mesh((2, p), ("data", "pipe"))
+    temp = {}
+    for name in ("gpipe", "1f1b"):
+        for remat in (False, True):
+            for m in (8, 16):
+                sched = make_schedule(name, p, m)
+                params, inputs = make_model(m=m, rows=rows, d=d, ff=ff, t=t)
+                compiled = pipelined(sched, mesh, remat).lower(params, inputs).compile()
+                temp[name, remat, m] = compiled.memory_analysis().temp_size_in_bytes
+    print("\ntemp bytes per device, p=4, rows=16, T=16, d=64, ff=128, 8 layers:")
+    for (name, remat, m), b in sorted(temp.items()):
+        print(f"  {name:5s} remat={remat!s:5s} m={m:2d}: {b / 2**20:.3f} MiB")
     for remat in (False, True):
-      for m in (8, 16):
-        sched = make_schedule(name, p, m)
-        params, inputs = make_model(m=m, rows=rows, d=d, ff=ff, t=t)
-        compiled = pipelined(sched, mesh, remat).lower(params, inputs).compile()
-        temp[name, remat, m] = compiled.memory_analysis().temp_size_in_bytes
-  print("\ntemp bytes per device, p=4, rows=16, T=16, d=64, ff=128, 8 layers:")
-  for (name, remat, m), b in sorted(temp.items()):
-    print(f"  {name:5s} remat={remat!s:5s} m={m:2d}: {b / 2**20:.3f} MiB")
-  for remat in (False, True):
-    gpipe_growth = temp["gpipe", remat, 16] - temp["gpipe", remat, 8]
-    one_f_one_b_growth = temp["1f1b", remat, 16] - temp["1f1b", remat, 8]
-    assert gpipe_growth > 0
-    assert gpipe_growth > 2 * max(one_f_one_b_growth, 0)
+        gpipe_growth = temp["gpipe", remat, 16] - temp["gpipe", remat, 8]
+        one_f_one_b_growth = temp["1f1b", remat, 16] - temp["1f1b", remat, 8]
+        assert gpipe_growth > 0
+        assert gpipe_growth > 2 * max(one_f_one_b_growth, 0)
 
 
 def test_layers_not_divisible_into_stages_raise_with_fix():
-  sched = make_schedule("interleaved_1f1b", 2, M, 2)
-  params, _ = make_model(layers=6)
-  with pytest.raises(ValueError, match=r"6 layers do not split evenly into 4 pipeline stages .*"
-                                       r"use a layer count divisible by 4"):
-    executor.to_pipeline_layout(params["layers"], sched)
+    sched = make_schedule("interleaved_1f1b", 2, M, 2)
+    params, _ = make_model(layers=6)
+    with pytest.raises(ValueError, match=r"6 layers do not split evenly into 4 pipeline stages .*"
+                                         r"use a layer count divisible by 4"):
+        executor.to_pipeline_layout(params["layers"], sched)
 
 
 def test_layout_round_trips():
-  for name, v in SCHEDULES:
-    sched = make_schedule(name, 4, M, v)
-    stacked = np.arange(8 * 3).reshape(8, 3)
-    staged = executor.to_pipeline_layout(stacked, sched)
-    assert staged.shape == (4, v, 8 // (4 * v), 3)
-    r, c = sched.rank_of_stage(1)
-    np.testing.assert_array_equal(staged[r, c, 0], stacked[8 // (4 * v)])
-    np.testing.assert_array_equal(executor.from_pipeline_layout(staged, sched), stacked)
+    for name, v in SCHEDULES:
+        sched = make_schedule(name, 4, M, v)
+        stacked = np.arange(8 * 3).reshape(8, 3)
+        staged = executor.to_pipeline_layout(stacked, sched)
+        assert staged.shape == (4, v, 8 // (4 * v), 3)
+        r, c = sched.rank_of_stage(1)
+        np.testing.assert_array_equal(staged[r, c, 0], stacked[8 // (4 * v)])
+        np.testing.assert_array_equal(executor.from_pipeline_layout(staged, sched), stacked)
 
 
 def test_bf16_model_accumulates_float32_grads():
-  sched = make_schedule("zb_h1", 2, M)
-  mesh = jax.make_mesh((4, 2), ("data", "pipe"))
-  params, inputs = make_model()
-  bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-  loss, grads = pipelined(sched, mesh)(bf16, inputs)
-  ref_loss, ref_grads = reference()
-  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
-  assert rel_err(loss, ref_loss) <= 2e-2  # bf16 weights and activations vs the fp32 model
-  assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) <= 5e-2
+    sched = make_schedule("zb_h1", 2, M)
+    mesh = jax.make_mesh((4, 2), ("data", "pipe"))
+    params, inputs = make_model()
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    loss, grads = pipelined(sched, mesh)(bf16, inputs)
+    ref_loss, ref_grads = reference()
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert rel_err(loss, ref_loss) <= 2e-2  # bf16 weights and activations vs the fp32 model
+    assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) <= 5e-2

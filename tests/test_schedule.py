@@ -17,243 +17,243 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _cases():
-  for name in SCHEDULES:
-    for p in (1, 2, 3, 4, 6):
-      for m in (1, 2, 3, 4, 5, 8, 12):
-        for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
-          if name != "interleaved_1f1b" or m % p == 0:
-            yield name, p, m, v
+    for name in SCHEDULES:
+        for p in (1, 2, 3, 4, 6):
+            for m in (1, 2, 3, 4, 5, 8, 12):
+                for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
+                    if name != "interleaved_1f1b" or m % p == 0:
+                        yield name, p, m, v
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_generator_output_validates(name):
-  for case_name, p, m, v in _cases():
-    if case_name == name:
-      s = make_schedule(name, p, m, v)
-      validate(s)
-      assert s.table.shape == (s.num_ticks, p, 4)
-      assert s.num_chunks == (v if name == "interleaved_1f1b" else 2 if name == "zbv" else 1)
+    for case_name, p, m, v in _cases():
+        if case_name == name:
+            s = make_schedule(name, p, m, v)
+            validate(s)
+            assert s.table.shape == (s.num_ticks, p, 4)
+            assert s.num_chunks == (v if name == "interleaved_1f1b" else 2 if name == "zbv" else 1)
 
 
 def _async(name, p, m, v=1):
-  return simulate(make_schedule(name, p, m, v), mode="async")
+    return simulate(make_schedule(name, p, m, v), mode="async")
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_gpipe_and_1f1b_async_bubble_is_exactly_p_minus_1_over_m_plus_p_minus_1(name):
-  for p in (2, 4, 8):
-    for m in (p, 2 * p, 4 * p):
-      assert _async(name, p, m).bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            assert _async(name, p, m).bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
 
 
 def test_interleaved_async_bubble_matches_megatron_formula():
-  # Exact (1e-12), not just close: the tables follow Megatron's per-rank program.
-  for p in (2, 4):
-    for v in (2, 3):
-      for m in (p, 2 * p, 4 * p):
-        got = _async("interleaved_1f1b", p, m, v).bubble
-        assert got == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    # Exact (1e-12), not just close: the tables follow Megatron's per-rank program.
+    for p in (2, 4):
+        for v in (2, 3):
+            for m in (p, 2 * p, 4 * p):
+                got = _async("interleaved_1f1b", p, m, v).bubble
+                assert got == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
 
 
 def test_zb_h1_bubble_is_about_a_third_of_1f1b_at_1f1b_memory():
-  for p in (2, 4, 8):
-    for m in (2 * p, 4 * p):
-      zb, ref = _async("zb_h1", p, m), _async("1f1b", p, m)
-      assert zb.bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
-      assert zb.bubble < 0.42 * ref.bubble
-      assert zb.peak_slots == ref.peak_slots == p
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p):
+            zb, ref = _async("zb_h1", p, m), _async("1f1b", p, m)
+            assert zb.bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+            assert zb.bubble < 0.42 * ref.bubble
+            assert zb.peak_slots == ref.peak_slots == p
 
 
 def test_zbv_bubble_is_within_four_ticks_of_the_startup_bound():
-  # Every rank runs 6m unit actions and rank p-1 cannot start before tick p-1: ticks >= 6m + p - 1.
-  for p in (2, 4, 6, 8):
-    for m in range(p, 4 * p + 1, p):
-      s = make_schedule("zbv", p, m)
-      assert 6 * m + p - 1 <= s.num_ticks <= 6 * m + p + 3
-  assert _async("zbv", 4, 8).bubble < 0.06
-  assert _async("zbv", 4, 16).bubble < 0.035
+    # Every rank runs 6m unit actions and rank p-1 cannot start before tick p-1: ticks >= 6m + p - 1.
+    for p in (2, 4, 6, 8):
+        for m in range(p, 4 * p + 1, p):
+            s = make_schedule("zbv", p, m)
+            assert 6 * m + p - 1 <= s.num_ticks <= 6 * m + p + 3
+    assert _async("zbv", 4, 8).bubble < 0.06
+    assert _async("zbv", 4, 16).bubble < 0.035
 
 
 def test_peak_slots_1f1b_is_p_gpipe_is_m():
-  assert _async("1f1b", 4, 16).peak_slots == 4
-  assert list(_async("1f1b", 4, 16).slots_per_rank) == [4, 3, 2, 1]
-  assert _async("gpipe", 4, 16).peak_slots == 16
-  assert _async("zbv", 4, 16).peak_slots == 8  # 2p half-size chunk slots: 1F1B's memory
-  assert _async("interleaved_1f1b", 4, 16, 2).peak_slots == 11  # Megatron warmup 2(p-1)+(v-1)p, +1
+    assert _async("1f1b", 4, 16).peak_slots == 4
+    assert list(_async("1f1b", 4, 16).slots_per_rank) == [4, 3, 2, 1]
+    assert _async("gpipe", 4, 16).peak_slots == 16
+    assert _async("zbv", 4, 16).peak_slots == 8  # 2p half-size chunk slots: 1F1B's memory
+    assert _async("interleaved_1f1b", 4, 16, 2).peak_slots == 11  # Megatron warmup 2(p-1)+(v-1)p, +1
 
 
 def test_num_slots_equals_peak_live_slots():
-  for name, p, m, v in _cases():
-    if p in (3, 4) and m in (4, 8):
-      s = make_schedule(name, p, m, v)
-      assert s.num_slots == simulate(s).peak_slots, name
+    for name, p, m, v in _cases():
+        if p in (3, 4) and m in (4, 8):
+            s = make_schedule(name, p, m, v)
+            assert s.num_slots == simulate(s).peak_slots, name
 
 
 def test_lockstep_equals_async_for_gpipe_and_split_backward_schedules():
-  for name in ("gpipe", "zb_h1", "zbv"):
-    s = make_schedule(name, 4, 8)
-    assert simulate(s).bubble == pytest.approx(simulate(s, mode="async").bubble, abs=1e-12)
-    assert simulate(s).total_time == s.num_ticks or name == "gpipe"
+    for name in ("gpipe", "zb_h1", "zbv"):
+        s = make_schedule(name, 4, 8)
+        assert simulate(s).bubble == pytest.approx(simulate(s, mode="async").bubble, abs=1e-12)
+        assert simulate(s).total_time == s.num_ticks or name == "gpipe"
 
 
 def test_lockstep_fused_1f1b_pays_for_bw_beside_f():
-  s = make_schedule("1f1b", 4, 8)
-  assert simulate(s).bubble > simulate(s, mode="async").bubble + 0.1
+    s = make_schedule("1f1b", 4, 8)
+    assert simulate(s).bubble > simulate(s, mode="async").bubble + 0.1
 
 
 def test_lockstep_tick_lasts_as_long_as_its_slowest_action():
-  idle = (IDLE, -1, -1, -1)
-  table = np.array([[(F, 0, 0, 0), idle], [(BW, 0, 0, 0), (F, 0, 0, 0)], [idle, idle],
-                    [idle, (BW, 0, 0, 0)]], np.int32)
-  # Not a valid pipeline (BW on stage 0 before stage 1): the simulator only prices ticks.
-  s = Schedule("hand", 2, 1, 1, table, np.array([[0], [1]], np.int32))
-  sim = simulate(s, {"F": 1, "B": 2, "W": 1})
-  assert sim.total_time == 1 + 3 + 0 + 3
-  assert sim.bubble == pytest.approx(1 - 8 / (2 * 7))
+    idle = (IDLE, -1, -1, -1)
+    table = np.array([[(F, 0, 0, 0), idle], [(BW, 0, 0, 0), (F, 0, 0, 0)], [idle, idle],
+                      [idle, (BW, 0, 0, 0)]], np.int32)
+    # Not a valid pipeline (BW on stage 0 before stage 1): the simulator only prices ticks.
+    s = Schedule("hand", 2, 1, 1, table, np.array([[0], [1]], np.int32))
+    sim = simulate(s, {"F": 1, "B": 2, "W": 1})
+    assert sim.total_time == 1 + 3 + 0 + 3
+    assert sim.bubble == pytest.approx(1 - 8 / (2 * 7))
 
 
 def test_async_waits_for_inputs_and_costs_scale():
-  s = make_schedule("1f1b", 4, 8)
-  sim = simulate(s, parse_costs("F=1,B=2,W=2"), mode="async")
-  assert sim.total_time == (8 + 3) * 5
-  assert sim.bubble == pytest.approx(3 / 11)
+    s = make_schedule("1f1b", 4, 8)
+    sim = simulate(s, parse_costs("F=1,B=2,W=2"), mode="async")
+    assert sim.total_time == (8 + 3) * 5
+    assert sim.bubble == pytest.approx(3 / 11)
 
 
 def test_bubble_table_has_a_row_per_schedule_and_m():
-  rows = bubble_table(p=2, ms=(2, 4))
-  assert [(r[0], r[1]) for r in rows] == [(n, m) for n in SCHEDULES for m in (2, 4)]
-  text = format_bubble_table(rows)
-  assert text.startswith("| schedule | m |") and "| zbv | 4 |" in text
+    rows = bubble_table(p=2, ms=(2, 4))
+    assert [(r[0], r[1]) for r in rows] == [(n, m) for n in SCHEDULES for m in (2, 4)]
+    text = format_bubble_table(rows)
+    assert text.startswith("| schedule | m |") and "| zbv | 4 |" in text
 
 
 # ---- validator: hand-broken tables are rejected with a one-line message naming tick and rank.
 
 
 def _broken(s, edit):
-  table = s.table.copy()
-  edit(table)
-  return dataclasses.replace(s, table=table)
+    table = s.table.copy()
+    edit(table)
+    return dataclasses.replace(s, table=table)
 
 
 def _find(s, kind, mb, rank):
-  return int(np.argwhere((s.table[:, rank, 0] == kind) & (s.table[:, rank, 1] == mb))[0, 0])
+    return int(np.argwhere((s.table[:, rank, 0] == kind) & (s.table[:, rank, 1] == mb))[0, 0])
 
 
 def _rejects(s, pattern):
-  with pytest.raises(ScheduleError, match=pattern) as e:
-    validate(s)
-  assert "\n" not in str(e.value)
+    with pytest.raises(ScheduleError, match=pattern) as e:
+        validate(s)
+    assert "\n" not in str(e.value)
 
 
 def test_validator_rejects_swapped_forward_and_backward():
-  s = make_schedule("1f1b", 4, 8)
-  tf, tb = _find(s, F, 0, 3), _find(s, BW, 0, 3)
+    s = make_schedule("1f1b", 4, 8)
+    tf, tb = _find(s, F, 0, 3), _find(s, BW, 0, 3)
 
-  def swap(t):
-    t[[tf, tb], 3] = t[[tb, tf], 3]
-  _rejects(_broken(s, swap), rf"tick {tf} rank 3: BW\(mb=0, chunk=0\) runs before its own forward .*"
-                             rf"move it to tick >= {tf + 2}")
+    def swap(t):
+        t[[tf, tb], 3] = t[[tb, tf], 3]
+    _rejects(_broken(s, swap), rf"tick {tf} rank 3: BW\(mb=0, chunk=0\) runs before its own forward .*"
+                               rf"move it to tick >= {tf + 2}")
 
 
 def test_validator_rejects_backward_before_its_input_gradient():
-  s = make_schedule("zb_h1", 4, 8)
-  t2, t3 = _find(s, B, 1, 2), _find(s, B, 1, 3)
+    s = make_schedule("zb_h1", 4, 8)
+    t2, t3 = _find(s, B, 1, 2), _find(s, B, 1, 3)
 
-  def early(t):
-    t[t3 - 1, 2], t[t2, 2] = t[t2, 2].copy(), t[t3 - 1, 2].copy()  # B(mb=1) on rank 2 moves to t3-1
-  _rejects(_broken(s, early), rf"rank 2: B\(mb=1, chunk=0\) runs before its input gradient from stage 3")
+    def early(t):
+        t[t3 - 1, 2], t[t2, 2] = t[t2, 2].copy(), t[t3 - 1, 2].copy()  # B(mb=1) on rank 2 moves to t3-1
+    _rejects(_broken(s, early), rf"rank 2: B\(mb=1, chunk=0\) runs before its input gradient from stage 3")
 
 
 def test_validator_rejects_dropped_w():
-  s = make_schedule("zb_h1", 4, 8)
-  tw = _find(s, W, 0, 0)
+    s = make_schedule("zb_h1", 4, 8)
+    tw = _find(s, W, 0, 0)
 
-  def drop(t):
-    t[tw, 0] = (IDLE, -1, -1, -1)
-  # Dropping W keeps mb 0's slot live, so the F that reuses slot 0 is caught first.
-  _rejects(_broken(s, drop), r"rank 0: F\(mb=4, chunk=0\) stores into slot 0, still live for mb=0")
-  last = _find(s, W, 7, 1)
+    def drop(t):
+        t[tw, 0] = (IDLE, -1, -1, -1)
+    # Dropping W keeps mb 0's slot live, so the F that reuses slot 0 is caught first.
+    _rejects(_broken(s, drop), r"rank 0: F\(mb=4, chunk=0\) stores into slot 0, still live for mb=0")
+    last = _find(s, W, 7, 1)
 
-  def drop_last(t):
-    t[last, 1] = (IDLE, -1, -1, -1)
-  _rejects(_broken(s, drop_last), r"mb=7 stage 1 \(rank 1 chunk 0\) has no W; add it")
+    def drop_last(t):
+        t[last, 1] = (IDLE, -1, -1, -1)
+    _rejects(_broken(s, drop_last), r"mb=7 stage 1 \(rank 1 chunk 0\) has no W; add it")
 
 
 def test_validator_rejects_duplicated_forward():
-  s = make_schedule("gpipe", 2, 4)
-  idle_tick = int(np.argwhere(s.table[:, 0, 0] == IDLE)[0, 0])
+    s = make_schedule("gpipe", 2, 4)
+    idle_tick = int(np.argwhere(s.table[:, 0, 0] == IDLE)[0, 0])
 
-  def dup(t):
-    t[idle_tick, 0] = (F, 2, 0, 3)
-  _rejects(_broken(s, dup), rf"tick {idle_tick} rank 0: F\(mb=2, chunk=0\) of stage 0 runs twice")
+    def dup(t):
+        t[idle_tick, 0] = (F, 2, 0, 3)
+    _rejects(_broken(s, dup), rf"tick {idle_tick} rank 0: F\(mb=2, chunk=0\) of stage 0 runs twice")
 
 
 def test_validator_rejects_reused_live_slot():
-  s = make_schedule("1f1b", 4, 8)
-  tf = _find(s, F, 1, 0)
+    s = make_schedule("1f1b", 4, 8)
+    tf = _find(s, F, 1, 0)
 
-  def reuse(t):
-    t[tf, 0, 3] = 0  # mb 0 still holds slot 0
-    t[(t[:, 0, 1] == 1) & (t[:, 0, 0] == BW), 0, 3] = 0
-  _rejects(_broken(s, reuse), rf"tick {tf} rank 0: F\(mb=1, chunk=0\) stores into slot 0, still live")
+    def reuse(t):
+        t[tf, 0, 3] = 0  # mb 0 still holds slot 0
+        t[(t[:, 0, 1] == 1) & (t[:, 0, 0] == BW), 0, 3] = 0
+    _rejects(_broken(s, reuse), rf"tick {tf} rank 0: F\(mb=1, chunk=0\) stores into slot 0, still live")
 
 
 def test_validator_rejects_slot_mismatch_bad_kind_and_mixed_backward():
-  s = make_schedule("zb_h1", 2, 4)
-  tb = _find(s, B, 0, 0)
-  _rejects(_broken(s, lambda t: t.__setitem__((tb, 0, 3), 7)), r"reads slot 7")
-  _rejects(_broken(s, lambda t: t.__setitem__((tb, 0, 0), 9)), r"unknown action kind 9")
-  _rejects(_broken(s, lambda t: t.__setitem__((tb, 0, 0), BW)), r"runs both B and BW|already runs BW")
-  _rejects(dataclasses.replace(s, table=s.table.astype(np.int64)), r"table must be int32")
-  _rejects(dataclasses.replace(s, stage_of=np.array([[0], [0]], np.int32)), r"exactly once")
+    s = make_schedule("zb_h1", 2, 4)
+    tb = _find(s, B, 0, 0)
+    _rejects(_broken(s, lambda t: t.__setitem__((tb, 0, 3), 7)), r"reads slot 7")
+    _rejects(_broken(s, lambda t: t.__setitem__((tb, 0, 0), 9)), r"unknown action kind 9")
+    _rejects(_broken(s, lambda t: t.__setitem__((tb, 0, 0), BW)), r"runs both B and BW|already runs BW")
+    _rejects(dataclasses.replace(s, table=s.table.astype(np.int64)), r"table must be int32")
+    _rejects(dataclasses.replace(s, stage_of=np.array([[0], [0]], np.int32)), r"exactly once")
 
 
 def test_make_schedule_errors_name_the_fix():
-  with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'; set one of gpipe"):
-    make_schedule("pipedream", 4, 8)
-  with pytest.raises(ScheduleError, match="multiple of stages=4, got 6; set microbatches=8"):
-    make_schedule("interleaved_1f1b", 4, 6, 2)
-  with pytest.raises(ScheduleError, match="set virtual_stages=2"):
-    make_schedule("interleaved_1f1b", 4, 8)
-  with pytest.raises(ScheduleError, match="set it to 1"):
-    make_schedule("1f1b", 4, 8, 2)
-  with pytest.raises(ScheduleError, match="microbatches >= 1"):
-    make_schedule("zbv", 4, 0)
+    with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'; set one of gpipe"):
+        make_schedule("pipedream", 4, 8)
+    with pytest.raises(ScheduleError, match="multiple of stages=4, got 6; set microbatches=8"):
+        make_schedule("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="set virtual_stages=2"):
+        make_schedule("interleaved_1f1b", 4, 8)
+    with pytest.raises(ScheduleError, match="set it to 1"):
+        make_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(ScheduleError, match="microbatches >= 1"):
+        make_schedule("zbv", 4, 0)
 
 
 def test_placement_of_interleaved_and_zbv_chunks():
-  s = make_schedule("interleaved_1f1b", 4, 4, 2)
-  assert s.stage_of.tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]] and s.rank_of_stage(5) == (1, 1)
-  z = make_schedule("zbv", 4, 8)
-  assert z.stage_of.tolist() == [[0, 7], [1, 6], [2, 5], [3, 4]] and z.rank_of_stage(4) == (3, 1)
-  assert z.split_backward and not s.split_backward
+    s = make_schedule("interleaved_1f1b", 4, 4, 2)
+    assert s.stage_of.tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]] and s.rank_of_stage(5) == (1, 1)
+    z = make_schedule("zbv", 4, 8)
+    assert z.stage_of.tolist() == [[0, 7], [1, 6], [2, 5], [3, 4]] and z.rank_of_stage(4) == (3, 1)
+    assert z.split_backward and not s.split_backward
 
 
 def test_render_text_marks_kinds_and_chunks():
-  text = render_text(make_schedule("1f1b", 2, 2))
-  assert text.splitlines() == ["rank 0: F0 F1  . X0  . X1", "rank 1:  . F0 X0 F1 X1  ."]
-  assert "F0a" in render_text(make_schedule("zbv", 2, 2)) and "W1b" in render_text(make_schedule("zbv", 2, 2))
+    text = render_text(make_schedule("1f1b", 2, 2))
+    assert text.splitlines() == ["rank 0: F0 F1  . X0  . X1", "rank 1:  . F0 X0 F1 X1  ."]
+    assert "F0a" in render_text(make_schedule("zbv", 2, 2)) and "W1b" in render_text(make_schedule("zbv", 2, 2))
 
 
 def test_render_png_writes_an_image(tmp_path):
-  pytest.importorskip("matplotlib")
-  path = tmp_path / "zbv.png"
-  render_png(make_schedule("zbv", 2, 4), str(path))
-  assert path.read_bytes()[:4] == b"\x89PNG"
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "zbv.png"
+    render_png(make_schedule("zbv", 2, 4), str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_render_summary_ends_with_the_one_line_result():
-  last = render_summary(make_schedule("zb_h1", 4, 8)).splitlines()[-1]
-  assert last == "schedule=zb_h1 stages=4 microbatches=8 bubble=0.111 peak_slots=4 ticks=27"
+    last = render_summary(make_schedule("zb_h1", 4, 8)).splitlines()[-1]
+    assert last == "schedule=zb_h1 stages=4 microbatches=8 bubble=0.111 peak_slots=4 ticks=27"
 
 
 def test_cli_prints_summary_and_exits_2_on_bad_arguments():
-  cmd = [sys.executable, str(REPO / "launch" / "schedule.py")]
-  ok = subprocess.run(cmd + ["--schedule=zbv", "--stages=4", "--microbatches=8"], capture_output=True,
-                      text=True, check=True)
-  assert ok.stdout.splitlines()[-1] == (
-      "schedule=zbv stages=4 microbatches=8 bubble=0.059 peak_slots=8 ticks=51")
-  bad = subprocess.run(cmd + ["--schedule=interleaved_1f1b", "--stages=4", "--microbatches=6",
-                              "--virtual=2"], capture_output=True, text=True)
-  assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
-  assert "set microbatches=8" in bad.stderr
+    cmd = [sys.executable, str(REPO / "launch" / "schedule.py")]
+    ok = subprocess.run(cmd + ["--schedule=zbv", "--stages=4", "--microbatches=8"], capture_output=True,
+                        text=True, check=True)
+    assert ok.stdout.splitlines()[-1] == (
+        "schedule=zbv stages=4 microbatches=8 bubble=0.059 peak_slots=8 ticks=51")
+    bad = subprocess.run(cmd + ["--schedule=interleaved_1f1b", "--stages=4", "--microbatches=6",
+                                "--virtual=2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "set microbatches=8" in bad.stderr

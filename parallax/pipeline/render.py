@@ -15,62 +15,62 @@ _LEGEND = ("idle", "F forward", "B input grad", "W weight grad", "X fused backwa
 
 
 def _label(schedule: Schedule, cell) -> str:
-  kind, mb, chunk, _ = (int(x) for x in cell)
-  if kind == IDLE:
-    return "."
-  return f"{_CELL[kind]}{mb}" + (chr(ord("a") + chunk) if schedule.num_chunks > 1 else "")
+    kind, mb, chunk, _ = (int(x) for x in cell)
+    if kind == IDLE:
+        return "."
+    return f"{_CELL[kind]}{mb}" + (chr(ord("a") + chunk) if schedule.num_chunks > 1 else "")
 
 
 def render_text(schedule: Schedule) -> str:
-  """One row per rank, one column per tick; see the module docstring for the cell legend."""
-  labels = [[_label(schedule, schedule.table[t, r]) for t in range(schedule.num_ticks)]
-            for r in range(schedule.num_ranks)]
-  width = max((len(x) for row in labels for x in row), default=1)
-  return "\n".join(f"rank {r}: " + " ".join(x.rjust(width) for x in row) for r, row in enumerate(labels))
+    """One row per rank, one column per tick; see the module docstring for the cell legend."""
+    labels = [[_label(schedule, schedule.table[t, r]) for t in range(schedule.num_ticks)]
+              for r in range(schedule.num_ranks)]
+    width = max((len(x) for row in labels for x in row), default=1)
+    return "\n".join(f"rank {r}: " + " ".join(x.rjust(width) for x in row) for r, row in enumerate(labels))
 
 
 def render_png(schedule: Schedule, path: str, costs: dict | None = None) -> None:
-  """Writes a timeline PNG: one bar per action at its lockstep start time, as wide as its cost and
-  coloured by kind; the rest of each tick is the time the rank waits for the slowest action."""
-  try:
-    import matplotlib
-    import matplotlib.patches
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError as e:
-    raise ImportError("render_png needs matplotlib; pip install matplotlib (render_text needs "
-                      "nothing)") from e
-  sim = simulate(schedule, costs, mode="lockstep")
-  p = schedule.num_ranks
-  fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * sim.total_time), 0.5 * p + 1.2))
-  for t, r in np.argwhere(schedule.table[..., 0] != IDLE):
-    kind = int(schedule.table[t, r, 0])
-    x, w = sim.start[t, r], sim.cost[t, r]
-    ax.barh(r, w, left=x, height=0.8, color=_COLORS[kind], edgecolor="black", linewidth=0.5)
-    ax.text(x + w / 2, r, _label(schedule, schedule.table[t, r]), ha="center", va="center", fontsize=6,
-            color="white")
-  kinds = sorted(set(schedule.table[..., 0].ravel().tolist()) - {IDLE})
-  ax.legend(handles=[matplotlib.patches.Patch(color=_COLORS[k], label=_LEGEND[k]) for k in kinds],
-            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
-  ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-  ax.invert_yaxis()
-  ax.set_xlim(0, sim.total_time)
-  ax.set_xlabel("time (lockstep)")
-  ax.set_title(f"{schedule.name}: p={p} m={schedule.num_microbatches} v={schedule.num_chunks} "
-               f"bubble={sim.bubble:.3f} peak slots={sim.peak_slots}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+    """Writes a timeline PNG: one bar per action at its lockstep start time, as wide as its cost and
+    coloured by kind; the rest of each tick is the time the rank waits for the slowest action."""
+    try:
+        import matplotlib
+        import matplotlib.patches
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("render_png needs matplotlib; pip install matplotlib (render_text needs "
+                          "nothing)") from e
+    sim = simulate(schedule, costs, mode="lockstep")
+    p = schedule.num_ranks
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * sim.total_time), 0.5 * p + 1.2))
+    for t, r in np.argwhere(schedule.table[..., 0] != IDLE):
+        kind = int(schedule.table[t, r, 0])
+        x, w = sim.start[t, r], sim.cost[t, r]
+        ax.barh(r, w, left=x, height=0.8, color=_COLORS[kind], edgecolor="black", linewidth=0.5)
+        ax.text(x + w / 2, r, _label(schedule, schedule.table[t, r]), ha="center", va="center", fontsize=6,
+                color="white")
+    kinds = sorted(set(schedule.table[..., 0].ravel().tolist()) - {IDLE})
+    ax.legend(handles=[matplotlib.patches.Patch(color=_COLORS[k], label=_LEGEND[k]) for k in kinds],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, sim.total_time)
+    ax.set_xlabel("time (lockstep)")
+    ax.set_title(f"{schedule.name}: p={p} m={schedule.num_microbatches} v={schedule.num_chunks} "
+                 f"bubble={sim.bubble:.3f} peak slots={sim.peak_slots}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def render_summary(schedule: Schedule, costs: dict | None = None) -> str:
-  """The text timeline, then the async bubble, then one line `schedule=... bubble=... ticks=...` whose
-  bubble is the lockstep one (what the SPMD executor pays)."""
-  lock = simulate(schedule, costs, mode="lockstep")
-  asyn = simulate(schedule, costs, mode="async")
-  return "\n".join([
-      render_text(schedule),
-      f"async bubble={asyn.bubble:.3f} time={asyn.total_time:g}; lockstep time={lock.total_time:g}",
-      f"schedule={schedule.name} stages={schedule.num_ranks} microbatches={schedule.num_microbatches} "
-      f"bubble={lock.bubble:.3f} peak_slots={lock.peak_slots} ticks={schedule.num_ticks}",
-  ])
+    """The text timeline, then the async bubble, then one line `schedule=... bubble=... ticks=...` whose
+    bubble is the lockstep one (what the SPMD executor pays)."""
+    lock = simulate(schedule, costs, mode="lockstep")
+    asyn = simulate(schedule, costs, mode="async")
+    return "\n".join([
+        render_text(schedule),
+        f"async bubble={asyn.bubble:.3f} time={asyn.total_time:g}; lockstep time={lock.total_time:g}",
+        f"schedule={schedule.name} stages={schedule.num_ranks} microbatches={schedule.num_microbatches} "
+        f"bubble={lock.bubble:.3f} peak_slots={lock.peak_slots} ticks={schedule.num_ticks}",
+    ])

@@ -24,51 +24,51 @@ KIND_NAMES = ("idle", "F", "B", "W", "BW")
 
 
 class ScheduleError(ValueError):
-  """A schedule that cannot be built or does not hold; the message names the fix."""
+    """A schedule that cannot be built or does not hold; the message names the fix."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
-  """A pipeline schedule.
+    """A pipeline schedule.
 
-  table: int32 [ticks, num_ranks, 4] of (kind, microbatch, chunk, slot); `chunk` is the local chunk index
-    0..num_chunks-1 on that rank; an idle cell is (IDLE, -1, -1, -1).
-  stage_of: int32 [num_ranks, num_chunks]; global stage of local chunk c on rank r. Stages
-    0..num_stages-1 run the model's layers in order.
-  """
-  name: str
-  num_ranks: int
-  num_microbatches: int
-  num_chunks: int
-  table: np.ndarray
-  stage_of: np.ndarray
+    table: int32 [ticks, num_ranks, 4] of (kind, microbatch, chunk, slot); `chunk` is the local chunk index
+      0..num_chunks-1 on that rank; an idle cell is (IDLE, -1, -1, -1).
+    stage_of: int32 [num_ranks, num_chunks]; global stage of local chunk c on rank r. Stages
+      0..num_stages-1 run the model's layers in order.
+    """
+    name: str
+    num_ranks: int
+    num_microbatches: int
+    num_chunks: int
+    table: np.ndarray
+    stage_of: np.ndarray
 
-  @property
-  def num_stages(self) -> int:
-    return self.num_ranks * self.num_chunks
+    @property
+    def num_stages(self) -> int:
+        return self.num_ranks * self.num_chunks
 
-  @property
-  def num_ticks(self) -> int:
-    return int(self.table.shape[0])
+    @property
+    def num_ticks(self) -> int:
+        return int(self.table.shape[0])
 
-  @property
-  def split_backward(self) -> bool:
-    """True if the backward is split into B (input gradient) and W (weight gradient)."""
-    return bool(np.any(self.table[..., 0] == W))
+    @property
+    def split_backward(self) -> bool:
+        """True if the backward is split into B (input gradient) and W (weight gradient)."""
+        return bool(np.any(self.table[..., 0] == W))
 
-  @property
-  def num_slots(self) -> int:
-    """Activation slots per rank the executor must allocate (max slot index + 1)."""
-    return int(self.table[..., 3].max(initial=-1)) + 1
+    @property
+    def num_slots(self) -> int:
+        """Activation slots per rank the executor must allocate (max slot index + 1)."""
+        return int(self.table[..., 3].max(initial=-1)) + 1
 
-  def rank_of_stage(self, stage: int) -> tuple[int, int]:
-    """(rank, local chunk) that runs global stage `stage`."""
-    r, c = np.argwhere(self.stage_of == stage)[0]
-    return int(r), int(c)
+    def rank_of_stage(self, stage: int) -> tuple[int, int]:
+        """(rank, local chunk) that runs global stage `stage`."""
+        r, c = np.argwhere(self.stage_of == stage)[0]
+        return int(r), int(c)
 
 
 def _action_str(kind, mb, chunk) -> str:
-  return f"{KIND_NAMES[kind]}(mb={mb}, chunk={chunk})"
+    return f"{KIND_NAMES[kind]}(mb={mb}, chunk={chunk})"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -76,127 +76,127 @@ def _action_str(kind, mb, chunk) -> str:
 
 
 def _list_schedule(name, num_microbatches, stage_of, split, priority, cap=None, in_order=False) -> Schedule:
-  """Greedy list scheduling: each tick, each rank runs its ready action with the smallest
-  `priority(rank, kind, mb, chunk)`, running F only while it holds fewer than `cap[rank]` live slots.
-  `stage_of` is int [ranks, chunks]; `split` chooses B + W over a fused BW.
-  Per stage, F, B and W each run in microbatch order. With `in_order`, `priority` is a program: a rank
-  runs its actions strictly in priority order, waiting while the next one is not ready."""
-  m = num_microbatches
-  p, v = stage_of.shape
-  last = p * v - 1
-  never = np.iinfo(np.int64).max
-  f_tick = np.full((m, p * v), never)  # tick of F(mb, stage)
-  g_tick = np.full((m, p * v), never)  # tick of B or BW(mb, stage): its input gradient is then sent
-  next_f = np.zeros((p, v), int)
-  next_g = np.zeros((p, v), int)
-  next_w = np.zeros((p, v), int)
-  live = np.zeros(p, int)
-  slots = [dict() for _ in range(p)]  # per rank: (mb, chunk) -> slot
-  g_kind = B if split else BW
-  rows = []
+    """Greedy list scheduling: each tick, each rank runs its ready action with the smallest
+    `priority(rank, kind, mb, chunk)`, running F only while it holds fewer than `cap[rank]` live slots.
+    `stage_of` is int [ranks, chunks]; `split` chooses B + W over a fused BW.
+    Per stage, F, B and W each run in microbatch order. With `in_order`, `priority` is a program: a rank
+    runs its actions strictly in priority order, waiting while the next one is not ready."""
+    m = num_microbatches
+    p, v = stage_of.shape
+    last = p * v - 1
+    never = np.iinfo(np.int64).max
+    f_tick = np.full((m, p * v), never)  # tick of F(mb, stage)
+    g_tick = np.full((m, p * v), never)  # tick of B or BW(mb, stage): its input gradient is then sent
+    next_f = np.zeros((p, v), int)
+    next_g = np.zeros((p, v), int)
+    next_w = np.zeros((p, v), int)
+    live = np.zeros(p, int)
+    slots = [dict() for _ in range(p)]  # per rank: (mb, chunk) -> slot
+    g_kind = B if split else BW
+    rows = []
 
-  def is_ready(r, kind, mb, s, t):
-    if kind == F:
-      return (cap is None or live[r] < cap[r]) and (s == 0 or f_tick[mb, s - 1] < t)
-    if kind == W:
-      return g_tick[mb, s] < t
-    return f_tick[mb, s] < t and (s == last or g_tick[mb, s + 1] < t)
+    def is_ready(r, kind, mb, s, t):
+        if kind == F:
+            return (cap is None or live[r] < cap[r]) and (s == 0 or f_tick[mb, s - 1] < t)
+        if kind == W:
+            return g_tick[mb, s] < t
+        return f_tick[mb, s] < t and (s == last or g_tick[mb, s + 1] < t)
 
-  while (next_w if split else next_g).min() < m:
-    t = len(rows)
-    row = np.tile(np.array([IDLE, -1, -1, -1], np.int32), (p, 1))
-    for r in range(p):
-      heads = [(kind, nxt[r, c], c) for kind, nxt in ((F, next_f), (g_kind, next_g), (W, next_w))
-               for c in range(v) if nxt[r, c] < m and (split or kind != W)]
-      if in_order:
-        heads = [min(heads, key=lambda a: priority(r, *a))] if heads else []
-      ready = [(kind, mb, c) for kind, mb, c in heads if is_ready(r, kind, mb, stage_of[r, c], t)]
-      if not ready:
-        continue
-      kind, mb, c = min(ready, key=lambda a: priority(r, *a))
-      s = stage_of[r, c]
-      if kind == F:
-        used = set(slots[r].values())
-        slots[r][mb, c] = min(i for i in range(len(used) + 1) if i not in used)
-        f_tick[mb, s] = t
-        next_f[r, c] += 1
-        live[r] += 1
-      elif kind == W:
-        next_w[r, c] += 1
-      else:
-        g_tick[mb, s] = t
-        next_g[r, c] += 1
-      row[r] = (kind, mb, c, slots[r][mb, c])
-      if kind in (W, BW):
-        del slots[r][mb, c]
-        live[r] -= 1
-    if (row[:, 0] == IDLE).all():
-      raise RuntimeError(f"{name}: list scheduler stalled at tick {t}: slot cap {cap} too small or "
-                         f"program order not executable")
-    rows.append(row)
-  return Schedule(name, p, m, v, np.stack(rows).astype(np.int32), stage_of.astype(np.int32))
+    while (next_w if split else next_g).min() < m:
+        t = len(rows)
+        row = np.tile(np.array([IDLE, -1, -1, -1], np.int32), (p, 1))
+        for r in range(p):
+            heads = [(kind, nxt[r, c], c) for kind, nxt in ((F, next_f), (g_kind, next_g), (W, next_w))
+                     for c in range(v) if nxt[r, c] < m and (split or kind != W)]
+            if in_order:
+                heads = [min(heads, key=lambda a: priority(r, *a))] if heads else []
+            ready = [(kind, mb, c) for kind, mb, c in heads if is_ready(r, kind, mb, stage_of[r, c], t)]
+            if not ready:
+                continue
+            kind, mb, c = min(ready, key=lambda a: priority(r, *a))
+            s = stage_of[r, c]
+            if kind == F:
+                used = set(slots[r].values())
+                slots[r][mb, c] = min(i for i in range(len(used) + 1) if i not in used)
+                f_tick[mb, s] = t
+                next_f[r, c] += 1
+                live[r] += 1
+            elif kind == W:
+                next_w[r, c] += 1
+            else:
+                g_tick[mb, s] = t
+                next_g[r, c] += 1
+            row[r] = (kind, mb, c, slots[r][mb, c])
+            if kind in (W, BW):
+                del slots[r][mb, c]
+                live[r] -= 1
+        if (row[:, 0] == IDLE).all():
+            raise RuntimeError(f"{name}: list scheduler stalled at tick {t}: slot cap {cap} too small or "
+                               f"program order not executable")
+        rows.append(row)
+    return Schedule(name, p, m, v, np.stack(rows).astype(np.int32), stage_of.astype(np.int32))
 
 
 def _linear_stages(p):
-  return np.arange(p).reshape(p, 1)
+    return np.arange(p).reshape(p, 1)
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
-  """GPipe: every forward, then every fused backward. Holds all m activations."""
-  p, m = num_ranks, num_microbatches
-  return _list_schedule("gpipe", m, _linear_stages(p), False,
-                        lambda r, kind, mb, c: (kind != F, mb), [m] * p)
+    """GPipe: every forward, then every fused backward. Holds all m activations."""
+    p, m = num_ranks, num_microbatches
+    return _list_schedule("gpipe", m, _linear_stages(p), False,
+                          lambda r, kind, mb, c: (kind != F, mb), [m] * p)
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
-  """1F1B (PipeDream-flush): p-r-1 warmup forwards on rank r, then one forward / one fused backward,
-  then the cooldown backwards. Rank r holds at most p-r activations."""
-  p, m = num_ranks, num_microbatches
-  return _list_schedule("1f1b", m, _linear_stages(p), False,
-                        lambda r, kind, mb, c: (kind == F, mb), [p - r for r in range(p)])
+    """1F1B (PipeDream-flush): p-r-1 warmup forwards on rank r, then one forward / one fused backward,
+    then the cooldown backwards. Rank r holds at most p-r activations."""
+    p, m = num_ranks, num_microbatches
+    return _list_schedule("1f1b", m, _linear_stages(p), False,
+                          lambda r, kind, mb, c: (kind == F, mb), [p - r for r in range(p)])
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-  """Megatron interleaved 1F1B: rank r holds chunks c = 0..v-1 of stages c*p + r. Microbatches go
-  through in groups of p per chunk (backward: chunks in reverse); each rank runs Megatron's program:
-  2(p-r-1) + (v-1)p warmup forwards, then one forward / one fused backward, then the cooldown."""
-  p, m, v = num_ranks, num_microbatches, virtual_stages
-  stage_of = np.arange(p * v).reshape(v, p).T  # stage_of[r, c] = c*p + r
+    """Megatron interleaved 1F1B: rank r holds chunks c = 0..v-1 of stages c*p + r. Microbatches go
+    through in groups of p per chunk (backward: chunks in reverse); each rank runs Megatron's program:
+    2(p-r-1) + (v-1)p warmup forwards, then one forward / one fused backward, then the cooldown."""
+    p, m, v = num_ranks, num_microbatches, virtual_stages
+    stage_of = np.arange(p * v).reshape(v, p).T  # stage_of[r, c] = c*p + r
 
-  def program(r, kind, mb, c):
-    chunk = c if kind == F else v - 1 - c
-    k = (mb // p) * p * v + chunk * p + mb % p  # index in the rank's forward (or backward) sequence
-    warmup = min(2 * (p - r - 1) + (v - 1) * p, m * v)
-    if kind == F:
-      return (-1, k) if k < warmup else (k - warmup, 0)
-    return (k, 1)
+    def program(r, kind, mb, c):
+        chunk = c if kind == F else v - 1 - c
+        k = (mb // p) * p * v + chunk * p + mb % p  # index in the rank's forward (or backward) sequence
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, m * v)
+        if kind == F:
+            return (-1, k) if k < warmup else (k - warmup, 0)
+        return (k, 1)
 
-  return _list_schedule("interleaved_1f1b", m, stage_of, False, program, in_order=True)
+    return _list_schedule("interleaved_1f1b", m, stage_of, False, program, in_order=True)
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-  """ZB-H1 (zero bubble at 1F1B memory): backward split into B and W. Rank r runs p-r warmup forwards,
-  then rounds of (B, W, F) whose W lags its B by r microbatches, so rank r holds at most p activations
-  and the W's fill the ticks 1F1B would idle."""
-  p, m = num_ranks, num_microbatches
+    """ZB-H1 (zero bubble at 1F1B memory): backward split into B and W. Rank r runs p-r warmup forwards,
+    then rounds of (B, W, F) whose W lags its B by r microbatches, so rank r holds at most p activations
+    and the W's fill the ticks 1F1B would idle."""
+    p, m = num_ranks, num_microbatches
 
-  def program(r, kind, mb, c):
-    warmup = min(p - r, m)
-    if kind == F:
-      return (-1, mb) if mb < warmup else (mb - warmup, 2)
-    return (mb, 0) if kind == B else (mb + r, 1)
+    def program(r, kind, mb, c):
+        warmup = min(p - r, m)
+        if kind == F:
+            return (-1, mb) if mb < warmup else (mb - warmup, 2)
+        return (mb, 0) if kind == B else (mb + r, 1)
 
-  return _list_schedule("zb_h1", m, _linear_stages(p), True, program, in_order=True)
+    return _list_schedule("zb_h1", m, _linear_stages(p), True, program, in_order=True)
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
-  """ZB-V: two chunks per rank in a V (rank r holds stages r and 2p-1-r), split B and W. Greedy: B
-  first (it unblocks the ranks upstream), then F (later chunk first) while fewer than 2p chunk
-  activations are live (1F1B's memory: a chunk is half a stage), and W fills the remaining ticks."""
-  p, m = num_ranks, num_microbatches
-  stage_of = np.stack([np.arange(p), 2 * p - 1 - np.arange(p)], axis=1)
-  return _list_schedule("zbv", m, stage_of, True,
-                        lambda r, kind, mb, c: ((B, F, W).index(kind), mb, -c), [2 * p] * p)
+    """ZB-V: two chunks per rank in a V (rank r holds stages r and 2p-1-r), split B and W. Greedy: B
+    first (it unblocks the ranks upstream), then F (later chunk first) while fewer than 2p chunk
+    activations are live (1F1B's memory: a chunk is half a stage), and W fills the remaining ticks."""
+    p, m = num_ranks, num_microbatches
+    stage_of = np.stack([np.arange(p), 2 * p - 1 - np.arange(p)], axis=1)
+    return _list_schedule("zbv", m, stage_of, True,
+                          lambda r, kind, mb, c: ((B, F, W).index(kind), mb, -c), [2 * p] * p)
 
 
 SCHEDULES = {
@@ -209,28 +209,28 @@ SCHEDULES = {
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-  """Builds schedule `name` for `num_ranks` pipeline ranks; raises ScheduleError naming the fix."""
-  if name not in SCHEDULES:
-    raise ScheduleError(f"unknown schedule {name!r}; set one of {', '.join(SCHEDULES)}")
-  p, m, v = num_ranks, num_microbatches, virtual_stages
-  if p < 1 or m < 1:
-    raise ScheduleError(f"{name}: need stages >= 1 and microbatches >= 1, got stages={p} "
-                        f"microbatches={m}")
-  if name == "interleaved_1f1b":
-    if v < 2:
-      raise ScheduleError(f"interleaved_1f1b needs virtual_stages >= 2, got {v}; set virtual_stages=2")
-    if m % p:
-      raise ScheduleError(f"interleaved_1f1b needs microbatches a multiple of stages={p}, got {m}; "
-                          f"set microbatches={-(-m // p) * p}")
-    return interleaved_1f1b(p, m, v)
-  if name == "zbv":
-    if v not in (1, 2):
-      raise ScheduleError(f"zbv always holds 2 chunks per rank, got virtual_stages={v}; set it to 2")
-    return zbv(p, m)
-  if v != 1:
-    raise ScheduleError(f"{name} holds one chunk per rank, got virtual_stages={v}; set it to 1 or use "
-                        f"interleaved_1f1b")
-  return SCHEDULES[name](p, m)
+    """Builds schedule `name` for `num_ranks` pipeline ranks; raises ScheduleError naming the fix."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; set one of {', '.join(SCHEDULES)}")
+    p, m, v = num_ranks, num_microbatches, virtual_stages
+    if p < 1 or m < 1:
+        raise ScheduleError(f"{name}: need stages >= 1 and microbatches >= 1, got stages={p} "
+                            f"microbatches={m}")
+    if name == "interleaved_1f1b":
+        if v < 2:
+            raise ScheduleError(f"interleaved_1f1b needs virtual_stages >= 2, got {v}; set virtual_stages=2")
+        if m % p:
+            raise ScheduleError(f"interleaved_1f1b needs microbatches a multiple of stages={p}, got {m}; "
+                                f"set microbatches={-(-m // p) * p}")
+        return interleaved_1f1b(p, m, v)
+    if name == "zbv":
+        if v not in (1, 2):
+            raise ScheduleError(f"zbv always holds 2 chunks per rank, got virtual_stages={v}; set it to 2")
+        return zbv(p, m)
+    if v != 1:
+        raise ScheduleError(f"{name} holds one chunk per rank, got virtual_stages={v}; set it to 1 or use "
+                            f"interleaved_1f1b")
+    return SCHEDULES[name](p, m)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -238,117 +238,117 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stag
 
 
 def _check_structure(s: Schedule):
-  table, stage_of = s.table, s.stage_of
-  p, v = s.num_ranks, s.num_chunks
-  if s.num_ranks < 1 or s.num_microbatches < 1 or s.num_chunks < 1:
-    raise ScheduleError(f"need num_ranks, num_microbatches, num_chunks >= 1, got {p}, "
-                        f"{s.num_microbatches}, {v}")
-  if not isinstance(table, np.ndarray) or table.dtype != np.int32 or table.ndim != 3 or \
-     table.shape[1:] != (p, 4):
-    raise ScheduleError(f"table must be int32 [ticks, {p}, 4], got "
-                        f"{getattr(table, 'dtype', type(table))} {getattr(table, 'shape', '')}")
-  if not isinstance(stage_of, np.ndarray) or stage_of.dtype != np.int32 or stage_of.shape != (p, v):
-    raise ScheduleError(f"stage_of must be int32 [{p}, {v}], got "
-                        f"{getattr(stage_of, 'dtype', type(stage_of))} {getattr(stage_of, 'shape', '')}")
-  if not np.array_equal(np.sort(stage_of.ravel()), np.arange(p * v)):
-    raise ScheduleError(f"stage_of must hold each stage 0..{p * v - 1} exactly once, got "
-                        f"{stage_of.tolist()}")
+    table, stage_of = s.table, s.stage_of
+    p, v = s.num_ranks, s.num_chunks
+    if s.num_ranks < 1 or s.num_microbatches < 1 or s.num_chunks < 1:
+        raise ScheduleError(f"need num_ranks, num_microbatches, num_chunks >= 1, got {p}, "
+                            f"{s.num_microbatches}, {v}")
+    if not isinstance(table, np.ndarray) or table.dtype != np.int32 or table.ndim != 3 or \
+       table.shape[1:] != (p, 4):
+        raise ScheduleError(f"table must be int32 [ticks, {p}, 4], got "
+                            f"{getattr(table, 'dtype', type(table))} {getattr(table, 'shape', '')}")
+    if not isinstance(stage_of, np.ndarray) or stage_of.dtype != np.int32 or stage_of.shape != (p, v):
+        raise ScheduleError(f"stage_of must be int32 [{p}, {v}], got "
+                            f"{getattr(stage_of, 'dtype', type(stage_of))} {getattr(stage_of, 'shape', '')}")
+    if not np.array_equal(np.sort(stage_of.ravel()), np.arange(p * v)):
+        raise ScheduleError(f"stage_of must hold each stage 0..{p * v - 1} exactly once, got "
+                            f"{stage_of.tolist()}")
 
 
 def _check_cell(s: Schedule, t, r, cell):
-  kind, mb, c, slot = (int(x) for x in cell)
-  where = f"tick {t} rank {r}"
-  if kind == IDLE:
-    if (mb, c, slot) != (-1, -1, -1):
-      raise ScheduleError(f"{where}: idle cell must be (0, -1, -1, -1), got {tuple(cell.tolist())}")
-    return
-  if not IDLE < kind <= BW:
-    raise ScheduleError(f"{where}: unknown action kind {kind}; use IDLE, F, B, W or BW (0..4)")
-  if not 0 <= mb < s.num_microbatches:
-    raise ScheduleError(f"{where}: microbatch {mb} out of range 0..{s.num_microbatches - 1}")
-  if not 0 <= c < s.num_chunks:
-    raise ScheduleError(f"{where}: chunk {c} out of range 0..{s.num_chunks - 1}; chunks are local "
-                        f"to the rank that owns the stage")
-  if slot < 0:
-    raise ScheduleError(f"{where}: {_action_str(kind, mb, c)} has slot {slot}; slots are >= 0")
+    kind, mb, c, slot = (int(x) for x in cell)
+    where = f"tick {t} rank {r}"
+    if kind == IDLE:
+        if (mb, c, slot) != (-1, -1, -1):
+            raise ScheduleError(f"{where}: idle cell must be (0, -1, -1, -1), got {tuple(cell.tolist())}")
+        return
+    if not IDLE < kind <= BW:
+        raise ScheduleError(f"{where}: unknown action kind {kind}; use IDLE, F, B, W or BW (0..4)")
+    if not 0 <= mb < s.num_microbatches:
+        raise ScheduleError(f"{where}: microbatch {mb} out of range 0..{s.num_microbatches - 1}")
+    if not 0 <= c < s.num_chunks:
+        raise ScheduleError(f"{where}: chunk {c} out of range 0..{s.num_chunks - 1}; chunks are local "
+                            f"to the rank that owns the stage")
+    if slot < 0:
+        raise ScheduleError(f"{where}: {_action_str(kind, mb, c)} has slot {slot}; slots are >= 0")
 
 
 def validate(schedule: Schedule) -> None:
-  """Checks `schedule` and raises ScheduleError on the first violation, in tick order."""
-  s = schedule
-  _check_structure(s)
-  table, stage_of = s.table, s.stage_of
-  last = s.num_stages - 1
-  at = {}  # (kind, mb, stage) -> first tick
-  for t, r in np.argwhere(table[..., 0] != IDLE):
-    kind, mb, c, _ = table[t, r]
-    if IDLE < kind <= BW and 0 <= mb < s.num_microbatches and 0 <= c < s.num_chunks:
-      at.setdefault((int(kind), int(mb), int(stage_of[r, c])), int(t))
+    """Checks `schedule` and raises ScheduleError on the first violation, in tick order."""
+    s = schedule
+    _check_structure(s)
+    table, stage_of = s.table, s.stage_of
+    last = s.num_stages - 1
+    at = {}  # (kind, mb, stage) -> first tick
+    for t, r in np.argwhere(table[..., 0] != IDLE):
+        kind, mb, c, _ = table[t, r]
+        if IDLE < kind <= BW and 0 <= mb < s.num_microbatches and 0 <= c < s.num_chunks:
+            at.setdefault((int(kind), int(mb), int(stage_of[r, c])), int(t))
 
-  def need(what, input_name, key, t):  # raises unless action `key` ran strictly before tick t
-    before = at.get(key)
-    if before is None:
-      raise ScheduleError(f"{what} needs {input_name} ({KIND_NAMES[key[0]]}(mb={key[1]}) of stage "
-                          f"{key[2]}), which never runs; add it before tick {t}")
-    if before >= t:
-      raise ScheduleError(f"{what} runs before {input_name} ({KIND_NAMES[key[0]]} at tick {before}); "
-                          f"move it to tick >= {before + 1}")
+    def need(what, input_name, key, t):  # raises unless action `key` ran strictly before tick t
+        before = at.get(key)
+        if before is None:
+            raise ScheduleError(f"{what} needs {input_name} ({KIND_NAMES[key[0]]}(mb={key[1]}) of stage "
+                                f"{key[2]}), which never runs; add it before tick {t}")
+        if before >= t:
+            raise ScheduleError(f"{what} runs before {input_name} ({KIND_NAMES[key[0]]} at tick {before}); "
+                                f"move it to tick >= {before + 1}")
 
-  seen = set()
-  live = [dict() for _ in range(s.num_ranks)]  # per rank: slot -> (mb, stage) until its W or BW
-  f_slot = {}
-  for t in range(s.num_ticks):
-    for r in range(s.num_ranks):
-      cell = table[t, r]
-      _check_cell(s, t, r, cell)
-      kind, mb, c, slot = (int(x) for x in cell)
-      if kind == IDLE:
-        continue
-      stage = int(stage_of[r, c])
-      what = f"tick {t} rank {r}: {_action_str(kind, mb, c)}"
-      if (kind, mb, stage) in seen:
-        raise ScheduleError(f"{what} of stage {stage} runs twice (first at tick "
-                            f"{at[kind, mb, stage]}); remove one")
-      seen.add((kind, mb, stage))
-      if kind == F:
-        if stage > 0:
-          need(what, f"its input activation from stage {stage - 1}", (F, mb, stage - 1), t)
-        if slot in live[r]:
-          omb, ostage = live[r][slot]
-          raise ScheduleError(f"{what} stores into slot {slot}, still live for mb={omb} of stage "
-                              f"{ostage}; use a free slot")
-        live[r][slot] = (mb, stage)
-        f_slot[mb, stage] = slot
-        continue
-      if kind == W and (BW, mb, stage) in at:
-        raise ScheduleError(f"{what}: stage {stage} already runs BW for this microbatch; drop the W "
-                            f"or split the BW into B")
-      if kind in (B, BW):
-        if (BW if kind == B else B, mb, stage) in at:
-          raise ScheduleError(f"{what}: stage {stage} runs both B and BW for this microbatch; use B + "
-                              f"W or one BW")
-        need(what, f"its own forward on stage {stage}", (F, mb, stage), t)
-        if stage < last:
-          need(what, f"its input gradient from stage {stage + 1}",
-               (BW if (BW, mb, stage + 1) in at else B, mb, stage + 1), t)
-      else:
-        need(what, f"its B on stage {stage}", (B, mb, stage), t)
-      if f_slot.get((mb, stage)) != slot or live[r].get(slot) != (mb, stage):
-        raise ScheduleError(f"{what} reads slot {slot}, but its activation is in slot "
-                            f"{f_slot.get((mb, stage))} (or already freed); use the F's slot")
-      if kind in (W, BW):
-        del live[r][slot]
-  for mb in range(s.num_microbatches):
-    for stage in range(s.num_stages):
-      r, c = s.rank_of_stage(stage)
-      has = {k for k in (F, B, W, BW) if (k, mb, stage) in at}
-      if F not in has:
-        missing = "F"
-      elif not has & {B, W, BW}:
-        missing = "backward (BW, or B + W)"
-      elif BW not in has:
-        missing = next((KIND_NAMES[k] for k in (B, W) if k not in has), None)
-      else:
-        missing = None
-      if missing:
-        raise ScheduleError(f"mb={mb} stage {stage} (rank {r} chunk {c}) has no {missing}; add it")
+    seen = set()
+    live = [dict() for _ in range(s.num_ranks)]  # per rank: slot -> (mb, stage) until its W or BW
+    f_slot = {}
+    for t in range(s.num_ticks):
+        for r in range(s.num_ranks):
+            cell = table[t, r]
+            _check_cell(s, t, r, cell)
+            kind, mb, c, slot = (int(x) for x in cell)
+            if kind == IDLE:
+                continue
+            stage = int(stage_of[r, c])
+            what = f"tick {t} rank {r}: {_action_str(kind, mb, c)}"
+            if (kind, mb, stage) in seen:
+                raise ScheduleError(f"{what} of stage {stage} runs twice (first at tick "
+                                    f"{at[kind, mb, stage]}); remove one")
+            seen.add((kind, mb, stage))
+            if kind == F:
+                if stage > 0:
+                    need(what, f"its input activation from stage {stage - 1}", (F, mb, stage - 1), t)
+                if slot in live[r]:
+                    omb, ostage = live[r][slot]
+                    raise ScheduleError(f"{what} stores into slot {slot}, still live for mb={omb} of stage "
+                                        f"{ostage}; use a free slot")
+                live[r][slot] = (mb, stage)
+                f_slot[mb, stage] = slot
+                continue
+            if kind == W and (BW, mb, stage) in at:
+                raise ScheduleError(f"{what}: stage {stage} already runs BW for this microbatch; drop the W "
+                                    f"or split the BW into B")
+            if kind in (B, BW):
+                if (BW if kind == B else B, mb, stage) in at:
+                    raise ScheduleError(f"{what}: stage {stage} runs both B and BW for this microbatch; use B + "
+                                        f"W or one BW")
+                need(what, f"its own forward on stage {stage}", (F, mb, stage), t)
+                if stage < last:
+                    need(what, f"its input gradient from stage {stage + 1}",
+                         (BW if (BW, mb, stage + 1) in at else B, mb, stage + 1), t)
+            else:
+                need(what, f"its B on stage {stage}", (B, mb, stage), t)
+            if f_slot.get((mb, stage)) != slot or live[r].get(slot) != (mb, stage):
+                raise ScheduleError(f"{what} reads slot {slot}, but its activation is in slot "
+                                    f"{f_slot.get((mb, stage))} (or already freed); use the F's slot")
+            if kind in (W, BW):
+                del live[r][slot]
+    for mb in range(s.num_microbatches):
+        for stage in range(s.num_stages):
+            r, c = s.rank_of_stage(stage)
+            has = {k for k in (F, B, W, BW) if (k, mb, stage) in at}
+            if F not in has:
+                missing = "F"
+            elif not has & {B, W, BW}:
+                missing = "backward (BW, or B + W)"
+            elif BW not in has:
+                missing = next((KIND_NAMES[k] for k in (B, W) if k not in has), None)
+            else:
+                missing = None
+            if missing:
+                raise ScheduleError(f"mb={mb} stage {stage} (rank {r} chunk {c}) has no {missing}; add it")

@@ -24,98 +24,98 @@ DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SimResult:
-  """Timing of one schedule. `start` / `cost`: float [ticks, ranks] per action (NaN / 0 where idle)."""
-  mode: str
-  total_time: float
-  busy_time: float
-  bubble: float  # 1 - busy_time / (ranks * total_time)
-  slots_per_rank: np.ndarray  # int [ranks]: peak live activation slots
-  peak_slots: int  # max over ranks
-  ticks: int
-  start: np.ndarray
-  cost: np.ndarray
+    """Timing of one schedule. `start` / `cost`: float [ticks, ranks] per action (NaN / 0 where idle)."""
+    mode: str
+    total_time: float
+    busy_time: float
+    bubble: float  # 1 - busy_time / (ranks * total_time)
+    slots_per_rank: np.ndarray  # int [ranks]: peak live activation slots
+    peak_slots: int  # max over ranks
+    ticks: int
+    start: np.ndarray
+    cost: np.ndarray
 
 
 def parse_costs(text: str) -> dict:
-  """'F=1,B=1,W=1[,BW=2]' -> {'F': 1.0, ...}; raises ValueError naming the bad entry."""
-  costs = {}
-  for item in filter(None, text.split(",")):
-    key, sep, value = item.partition("=")
-    if not sep or key.strip() not in ("F", "B", "W", "BW"):
-      raise ValueError(f"bad cost {item!r}; write KIND=VALUE with KIND in F, B, W, BW")
-    costs[key.strip()] = float(value)
-  return costs
+    """'F=1,B=1,W=1[,BW=2]' -> {'F': 1.0, ...}; raises ValueError naming the bad entry."""
+    costs = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("F", "B", "W", "BW"):
+            raise ValueError(f"bad cost {item!r}; write KIND=VALUE with KIND in F, B, W, BW")
+        costs[key.strip()] = float(value)
+    return costs
 
 
 def _cost_table(schedule: Schedule, costs) -> np.ndarray:
-  c = dict(DEFAULT_COSTS, **(costs or {}))
-  c.setdefault("BW", c["B"] + c["W"])
-  by_kind = np.array([0.0, c["F"], c["B"], c["W"], c["BW"]])
-  return by_kind[schedule.table[..., 0]]
+    c = dict(DEFAULT_COSTS, **(costs or {}))
+    c.setdefault("BW", c["B"] + c["W"])
+    by_kind = np.array([0.0, c["F"], c["B"], c["W"], c["BW"]])
+    return by_kind[schedule.table[..., 0]]
 
 
 def live_slots(schedule: Schedule) -> np.ndarray:
-  """int [ranks]: peak number of activations held at once on each rank (F until its W or BW)."""
-  kinds = schedule.table[..., 0]
-  delta = (kinds == F).astype(int) - np.isin(kinds, (W, BW)).astype(int)  # [ticks, ranks]
-  return np.maximum(np.cumsum(delta, axis=0).max(axis=0, initial=0), 0)
+    """int [ranks]: peak number of activations held at once on each rank (F until its W or BW)."""
+    kinds = schedule.table[..., 0]
+    delta = (kinds == F).astype(int) - np.isin(kinds, (W, BW)).astype(int)  # [ticks, ranks]
+    return np.maximum(np.cumsum(delta, axis=0).max(axis=0, initial=0), 0)
 
 
 def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockstep") -> SimResult:
-  """Times `schedule` with per-kind `costs` (default F = B = W = 1, BW = B + W) in `mode`."""
-  if mode not in ("lockstep", "async"):
-    raise ValueError(f"mode must be 'lockstep' or 'async', got {mode!r}")
-  table, stage_of = schedule.table, schedule.stage_of
-  cost = _cost_table(schedule, costs)
-  ticks, p = cost.shape
-  start = np.full((ticks, p), np.nan)
-  if mode == "lockstep":
-    tick_time = cost.max(axis=1, initial=0.0)
-    tick_start = np.concatenate([[0.0], np.cumsum(tick_time)])
-    busy = table[..., 0] != IDLE
-    start[busy] = np.broadcast_to(tick_start[:-1, None], (ticks, p))[busy]
-    total = float(tick_start[-1])
-  else:
-    finish = {}  # (kind, mb, stage) -> finish time
-    free = np.zeros(p)
-    for t in range(ticks):  # every input of an action ran at an earlier tick, so is timed by now
-      for r in range(p):
-        kind, mb, c, _ = (int(x) for x in table[t, r])
-        if kind == IDLE:
-          continue
-        s = int(stage_of[r, c])
-        if kind == F:
-          inputs = [(F, mb, s - 1)] if s > 0 else []
-        elif kind == W:
-          inputs = [(B, mb, s)]
-        else:
-          inputs = [(F, mb, s), (B, mb, s + 1), (BW, mb, s + 1)]
-        start[t, r] = max([free[r]] + [finish[k] for k in inputs if k in finish])
-        free[r] = finish[kind, mb, s] = start[t, r] + cost[t, r]
-    total = float(free.max(initial=0.0))
-  busy_time = float(cost.sum())
-  slots = live_slots(schedule)
-  return SimResult(mode, total, busy_time, 1.0 - busy_time / (p * total) if total else 0.0, slots,
-                   int(slots.max(initial=0)), ticks, start, cost)
+    """Times `schedule` with per-kind `costs` (default F = B = W = 1, BW = B + W) in `mode`."""
+    if mode not in ("lockstep", "async"):
+        raise ValueError(f"mode must be 'lockstep' or 'async', got {mode!r}")
+    table, stage_of = schedule.table, schedule.stage_of
+    cost = _cost_table(schedule, costs)
+    ticks, p = cost.shape
+    start = np.full((ticks, p), np.nan)
+    if mode == "lockstep":
+        tick_time = cost.max(axis=1, initial=0.0)
+        tick_start = np.concatenate([[0.0], np.cumsum(tick_time)])
+        busy = table[..., 0] != IDLE
+        start[busy] = np.broadcast_to(tick_start[:-1, None], (ticks, p))[busy]
+        total = float(tick_start[-1])
+    else:
+        finish = {}  # (kind, mb, stage) -> finish time
+        free = np.zeros(p)
+        for t in range(ticks):  # every input of an action ran at an earlier tick, so is timed by now
+            for r in range(p):
+                kind, mb, c, _ = (int(x) for x in table[t, r])
+                if kind == IDLE:
+                    continue
+                s = int(stage_of[r, c])
+                if kind == F:
+                    inputs = [(F, mb, s - 1)] if s > 0 else []
+                elif kind == W:
+                    inputs = [(B, mb, s)]
+                else:
+                    inputs = [(F, mb, s), (B, mb, s + 1), (BW, mb, s + 1)]
+                start[t, r] = max([free[r]] + [finish[k] for k in inputs if k in finish])
+                free[r] = finish[kind, mb, s] = start[t, r] + cost[t, r]
+        total = float(free.max(initial=0.0))
+    busy_time = float(cost.sum())
+    slots = live_slots(schedule)
+    return SimResult(mode, total, busy_time, 1.0 - busy_time / (p * total) if total else 0.0, slots,
+                     int(slots.max(initial=0)), ticks, start, cost)
 
 
 def bubble_table(p: int = 4, ms=(4, 8, 16)) -> list[tuple]:
-  """Rows (schedule, m, async bubble, lockstep bubble, peak slots, ticks) for every schedule at unit
-  costs; interleaved_1f1b uses v=2."""
-  rows = []
-  for name in SCHEDULES:
-    for m in ms:
-      s = make_schedule(name, p, m, 2 if name == "interleaved_1f1b" else 1)
-      lock, asyn = simulate(s, mode="lockstep"), simulate(s, mode="async")
-      rows.append((name, m, asyn.bubble, lock.bubble, lock.peak_slots, s.num_ticks))
-  return rows
+    """Rows (schedule, m, async bubble, lockstep bubble, peak slots, ticks) for every schedule at unit
+    costs; interleaved_1f1b uses v=2."""
+    rows = []
+    for name in SCHEDULES:
+        for m in ms:
+            s = make_schedule(name, p, m, 2 if name == "interleaved_1f1b" else 1)
+            lock, asyn = simulate(s, mode="lockstep"), simulate(s, mode="async")
+            rows.append((name, m, asyn.bubble, lock.bubble, lock.peak_slots, s.num_ticks))
+    return rows
 
 
 def format_bubble_table(rows) -> str:
-  """Markdown table of `bubble_table` rows."""
-  lines = ["| schedule | m | bubble (async) | bubble (lockstep) | peak slots | ticks |",
-           "|---|---|---|---|---|---|"]
-  lines += [f"| {n} | {m} | {a:.3f} | {l:.3f} | {k} | {t} |" for n, m, a, l, k, t in rows]
-  lines.append("\nCosts F = B = W = 1, BW = 2. A slot holds one chunk's activations: 1/v of a rank's "
-               "layers for interleaved_1f1b (v=2) and zbv.")
-  return "\n".join(lines)
+    """Markdown table of `bubble_table` rows."""
+    lines = ["| schedule | m | bubble (async) | bubble (lockstep) | peak slots | ticks |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {m} | {a:.3f} | {l:.3f} | {k} | {t} |" for n, m, a, l, k, t in rows]
+    lines.append("\nCosts F = B = W = 1, BW = 2. A slot holds one chunk's activations: 1/v of a rank's "
+                 "layers for interleaved_1f1b (v=2) and zbv.")
+    return "\n".join(lines)
