@@ -8,7 +8,6 @@ target shardings from an abstract state, so the arrays land directly on the curr
 
 from __future__ import annotations
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy

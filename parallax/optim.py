@@ -1,7 +1,7 @@
 """Optax optimizers: AdamW with linear warmup + cosine decay, global-norm clipping, weight-decay mask.
 
 Weight decay applies only to matrices: a parameter is decayed when it has at least two dimensions besides
-the stacking dimensions (`layers`, `stage`), so norms, biases and other vectors are never decayed even when
+the stacking dimension (`layers`), so norms, biases and other vectors are never decayed even when
 stacked over layers. The mask is computed from the logical axis names, not from parameter names.
 """
 
@@ -12,7 +12,7 @@ import optax
 
 from parallax.config import ConfigError
 
-_STACKING = ("layers", "stage")
+_STACKING = ("layers",)
 
 
 def lr_schedule(optim_config, total_steps: int) -> optax.Schedule:

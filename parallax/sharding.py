@@ -33,7 +33,6 @@ DEFAULT_RULES: dict[str, object] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "layers": "pipe",  # stacked layers: each pipeline rank stores the layers of its own stages
-    "stage": "pipe",
     "experts": "expert",
     "norm": None,
     # Activations.

@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
-import sys
 import time
 
 import jax

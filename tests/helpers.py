@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from parallax.config import load_config_file
+from parallax.train import Trainer, make_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,3 +33,17 @@ def max_leaf_rel_err(tree, ref) -> tuple[float, str]:
         if err >= worst:
             worst, where = err, jax.tree_util.keystr(path)
     return worst, where
+
+
+def loss_grads_and_steps(config, devices, steps=5):
+    """(loss, grads) of the first batch, then the losses of `steps` training steps, on `devices`."""
+    trainer = Trainer(config, devices=devices)
+    data = make_dataset(config)
+    state = trainer.init_state()
+    assert int(data.batch(0)["segment_ids"].max()) >= 2, "parity tests want several packed documents per row"
+    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], trainer.device_batch(data.batch(0))))
+    losses = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+        losses.append(float(metrics["loss"]))
+    return float(loss), grads, losses

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import max_leaf_rel_err, rel_err, tiny_config
+from helpers import loss_grads_and_steps, max_leaf_rel_err, rel_err, tiny_config
 from parallax.config import ConfigError
-from parallax.train import Trainer, check_config, make_dataset
+from parallax.train import check_config
 
 TOL = 1e-5
 LAYERS = 8  # divisible into p * v stages for p in {2, 4}, v in {1, 2}
@@ -21,21 +21,9 @@ def _config(schedule="1f1b", remat=False, **mesh):
     return config
 
 
-def _loss_grads_and_steps(config, devices, steps):
-    trainer = Trainer(config, devices=devices)
-    data = make_dataset(config)
-    state = trainer.init_state()
-    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], trainer.device_batch(data.batch(0))))
-    losses = []
-    for step in range(steps):
-        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
-        losses.append(float(metrics["loss"]))
-    return float(loss), grads, losses
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _loss_grads_and_steps(_config(), jax.devices()[:1], steps=5)
+    return loss_grads_and_steps(_config(), jax.devices()[:1], steps=5)
 
 
 CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv") for p in (2, 4)]
@@ -46,7 +34,7 @@ CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv") f
 def test_pipelined_loss_grads_and_steps_match_single_device(reference, schedule, pipe):
     ref_loss, ref_grads, ref_losses = reference
     steps = 5 if pipe == 4 else 0  # the 5-step check on the deeper pipelines; pipe=2 checks one step's grads
-    loss, grads, losses = _loss_grads_and_steps(_config(schedule, pipe=pipe, data=8 // pipe), jax.devices(), steps)
+    loss, grads, losses = loss_grads_and_steps(_config(schedule, pipe=pipe, data=8 // pipe), jax.devices(), steps)
     assert rel_err(loss, ref_loss) <= TOL
     err, where = max_leaf_rel_err(grads, ref_grads)
     assert err <= TOL, f"gradient {where} differs by {err:.2e}"
@@ -58,7 +46,7 @@ def test_pipelined_loss_grads_and_steps_match_single_device(reference, schedule,
 def test_pipeline_with_fsdp_and_remat_matches_single_device(reference, schedule):
     ref_loss, ref_grads, ref_losses = reference
     config = _config(schedule, remat=True, data=2, fsdp=2, pipe=2)
-    loss, grads, losses = _loss_grads_and_steps(config, jax.devices(), steps=5)
+    loss, grads, losses = loss_grads_and_steps(config, jax.devices(), steps=5)
     assert rel_err(loss, ref_loss) <= TOL
     err, where = max_leaf_rel_err(grads, ref_grads)
     assert err <= TOL, f"gradient {where} differs by {err:.2e}"
@@ -83,7 +71,7 @@ def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device
     ref_loss, ref_grads, ref_losses = reference
     config = _config(schedule, pipe=2, **mesh)
     config.model.attention = attention
-    loss, grads, losses = _loss_grads_and_steps(config, jax.devices(), steps)
+    loss, grads, losses = loss_grads_and_steps(config, jax.devices(), steps)
     err, where = max_leaf_rel_err(grads, ref_grads)
     print(f"{schedule} {mesh} {attention}: loss rel err {rel_err(loss, ref_loss):.2e}, worst gradient {where} "
           f"{err:.2e}" + (f", step losses max rel err {max(rel_err(a, b) for a, b in zip(losses, ref_losses)):.2e}"

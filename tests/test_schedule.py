@@ -161,7 +161,7 @@ def test_validator_rejects_backward_before_its_input_gradient():
 
     def early(t):
         t[t3 - 1, 2], t[t2, 2] = t[t2, 2].copy(), t[t3 - 1, 2].copy()  # B(mb=1) on rank 2 moves to t3-1
-    _rejects(_broken(s, early), rf"rank 2: B\(mb=1, chunk=0\) runs before its input gradient from stage 3")
+    _rejects(_broken(s, early), r"rank 2: B\(mb=1, chunk=0\) runs before its input gradient from stage 3")
 
 
 def test_validator_rejects_dropped_w():

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import max_leaf_rel_err, rel_err, tiny_config
+from helpers import loss_grads_and_steps, max_leaf_rel_err, rel_err, tiny_config
 from parallax import hlo
 from parallax.config import ConfigError
 from parallax.train import Trainer, check_config, make_dataset
@@ -26,26 +26,13 @@ def _config(attention="dense", kv_heads=2, **mesh):
     return config
 
 
-def _loss_grads_and_steps(config, devices, steps=5):
-    trainer = Trainer(config, devices=devices)
-    data = make_dataset(config)
-    state = trainer.init_state()
-    assert int(data.batch(0)["segment_ids"].max()) >= 2, "want several documents per row"
-    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], trainer.device_batch(data.batch(0))))
-    losses = []
-    for step in range(steps):
-        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
-        losses.append(float(metrics["loss"]))
-    return float(loss), grads, losses
-
-
 @pytest.fixture(scope="module")
 def references():
     cache = {}
 
     def get(kv_heads):
         if kv_heads not in cache:
-            cache[kv_heads] = _loss_grads_and_steps(_config(kv_heads=kv_heads), jax.devices()[:1])
+            cache[kv_heads] = loss_grads_and_steps(_config(kv_heads=kv_heads), jax.devices()[:1])
         return cache[kv_heads]
     return get
 
@@ -66,7 +53,7 @@ PARITY_MESHES = [
 def test_loss_grads_and_steps_match_single_device(references, mesh):
     kv_heads = mesh.get("kv_heads", 2)
     ref_loss, ref_grads, ref_losses = references(kv_heads)
-    loss, grads, losses = _loss_grads_and_steps(_config(**mesh), jax.devices())
+    loss, grads, losses = loss_grads_and_steps(_config(**mesh), jax.devices())
     err, where = max_leaf_rel_err(grads, ref_grads)
     print(f"{mesh}: loss rel err {rel_err(loss, ref_loss):.2e}, worst gradient {where} {err:.2e}, "
           f"step losses max rel err {max(rel_err(a, b) for a, b in zip(losses, ref_losses)):.2e}")

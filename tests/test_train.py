@@ -6,34 +6,21 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import max_leaf_rel_err, rel_err, tiny_config
-from parallax.train import Trainer, TrainingError, make_dataset, train_and_evaluate
+from helpers import loss_grads_and_steps, max_leaf_rel_err, rel_err, tiny_config
+from parallax.train import Trainer, TrainingError, train_and_evaluate
 
 TOL = 1e-5
 
 
-def _loss_grads_and_steps(config, devices, steps=5):
-    trainer = Trainer(config, devices=devices)
-    data = make_dataset(config)
-    state = trainer.init_state()
-    batch = trainer.device_batch(data.batch(0))
-    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], batch))
-    losses = []
-    for step in range(steps):
-        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
-        losses.append(float(metrics["loss"]))
-    return float(loss), grads, losses
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _loss_grads_and_steps(tiny_config(), jax.devices()[:1])
+    return loss_grads_and_steps(tiny_config(), jax.devices()[:1])
 
 
 @pytest.mark.parametrize("mesh", [dict(data=8), dict(fsdp=8), dict(data=2, fsdp=4)], ids=str)
 def test_data_fsdp_loss_and_grads_match_single_device(reference, mesh):
     ref_loss, ref_grads, ref_losses = reference
-    loss, grads, losses = _loss_grads_and_steps(tiny_config(**mesh), jax.devices())
+    loss, grads, losses = loss_grads_and_steps(tiny_config(**mesh), jax.devices())
     assert rel_err(loss, ref_loss) <= TOL
     err, where = max_leaf_rel_err(grads, ref_grads)
     assert err <= TOL, f"gradient {where} differs by {err:.2e}"
@@ -47,8 +34,8 @@ def test_gradient_accumulation_matches_one_big_batch(reference):
     config.train.global_batch_size = 32
     big = tiny_config(data=2, fsdp=4)
     big.train.global_batch_size = 32
-    loss, grads, losses = _loss_grads_and_steps(config, jax.devices())
-    big_loss, big_grads, big_losses = _loss_grads_and_steps(big, jax.devices())
+    loss, grads, losses = loss_grads_and_steps(config, jax.devices())
+    big_loss, big_grads, big_losses = loss_grads_and_steps(big, jax.devices())
     assert rel_err(loss, big_loss) <= TOL
     err, where = max_leaf_rel_err(grads, big_grads)
     assert err <= TOL, f"gradient {where} differs by {err:.2e}"
