@@ -8,6 +8,8 @@ target shardings from an abstract state, so the arrays land directly on the curr
 
 from __future__ import annotations
 
+import os
+
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
@@ -17,7 +19,9 @@ class Checkpointer:
     """Thin wrapper around `ocp.CheckpointManager` for one workdir."""
 
     def __init__(self, directory, every: int, keep: int, async_save: bool = True):
-        self.directory = epath.Path(directory)  # local paths and gs:// alike
+        if "://" not in str(directory):  # Orbax wants absolute local paths; gs:// and other URLs stay as they are
+            directory = os.path.abspath(directory)
+        self.directory = epath.Path(directory)
         self.every = int(every)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=save_decision_policy.FixedIntervalPolicy(max(self.every, 1)),

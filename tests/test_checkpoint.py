@@ -30,8 +30,9 @@ def _quiet(*_):
     pass
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+def test_resume_continues_exactly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative workdirs, as `make train` passes them
+    straight, resumed = "straight", "resumed"
     train_and_evaluate(_config(6), straight, log=_quiet)
     train_and_evaluate(_config(3), resumed, log=_quiet)
     lines = []
