@@ -177,11 +177,16 @@ def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
 class Trainer:
     """Everything derived from a config and a mesh: shapes, shardings, optimizer, and the jitted steps."""
 
-    def __init__(self, config, devices=None):
-        devices = list(jax.devices() if devices is None else devices)
-        check_config(config, len(devices))
+    def __init__(self, config, devices=None, mesh=None):
+        """`devices` default to all; `mesh` (e.g. an AbstractMesh, for shape checks) overrides them."""
+        if mesh is None:
+            devices = list(jax.devices() if devices is None else devices)
+            check_config(config, len(devices))
+            mesh = mesh_lib.make_mesh(config.mesh, devices)
+        else:
+            check_config(config, mesh.size)
         self.config = config
-        self.mesh = mesh_lib.make_mesh(config.mesh, devices)
+        self.mesh = mesh
         self.rules = sharding.make_rules(_rule_overrides(config))
         self.model_cfg = LlamaConfig.from_config(config.model)
         self.microbatches = int(config.train.microbatches)
@@ -350,20 +355,15 @@ def shape_check(config, num_devices: int) -> dict:
     checked) and traces the loss and gradients with `jax.eval_shape`. Returns parameter and token counts.
     """
     sizes = check_config(config, num_devices)
-    mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES)
-    rules = sharding.make_rules(_rule_overrides(config))
-    cfg = LlamaConfig.from_config(config.model)
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
-    logical = sharding.param_logical_names(abstract_state)
-    params = nnx.to_pure_dict(abstract_state)
-    jax.tree.map(lambda p, names: sharding.logical_to_spec(names, rules, mesh, p.shape, f"parameter {names}"),
-                 params, logical, is_leaf=lambda x: isinstance(x, tuple))
-    rows = config.train.global_batch_size // config.train.microbatches
-    batch = {k: jax.ShapeDtypeStruct((rows, config.train.seq_len), jnp.float32 if k == "weights" else jnp.int32)
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES)
+    mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES, axis_types=auto)
+    trainer = Trainer(config, mesh=mesh)  # the same loss path a real run takes (dense, manual or pipelined)
+    batch = {k: jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len),
+                                     jnp.float32 if k == "weights" else jnp.int32)
              for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
-    loss, grads = jax.eval_shape(jax.value_and_grad(lambda p, b: loss_sum(nnx.merge(graphdef, p), b)), params, batch)
-    assert jax.tree.structure(grads) == jax.tree.structure(params)
-    return {"params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)), "loss_shape": loss.shape}
+    loss, grads = jax.eval_shape(trainer._loss_and_grads, trainer.abstract_params, batch)
+    assert jax.tree.structure(grads) == jax.tree.structure(trainer.abstract_params)
+    return {"params": trainer.num_params, "loss_shape": loss.shape}
 
 
 @dataclasses.dataclass

@@ -22,6 +22,13 @@ def test_config_file_loads_and_passes_shape_inference(path):
     assert result["params"] > 0 and result["loss_shape"] == ()
 
 
+def test_shape_check_traces_pipelined_and_tensor_parallel_paths():
+    config = load_config_file(os.path.join(ROOT, "configs/tiny.py"))
+    config.mesh.update(data=1, pipe=2, tensor=2, seq=2)
+    config.model.update(num_layers=4, attention="ulysses", num_kv_heads=4)
+    assert shape_check(config, 8)["loss_shape"] == ()
+
+
 def test_llama3_configs_have_the_published_sizes():
     assert shape_check(load_config_file(os.path.join(ROOT, "configs/llama3_8b.py")), 64)["params"] == 8_030_261_248
     assert shape_check(load_config_file(os.path.join(ROOT, "configs/llama3_70b.py")), 256)["params"] == 70_553_706_496
