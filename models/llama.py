@@ -215,6 +215,14 @@ def cross_entropy_sum(logits, targets, weights):
     return jnp.sum((logz - target_logit) * weights)
 
 
+def local_loss_sum(logits, batch, par: Parallelism = DENSE) -> jax.Array:
+    """Weighted cross-entropy summed over this rank's tokens: vocabulary-parallel over `tensor` (the full
+    value on every tensor rank), dense otherwise. Not yet summed over the batch axes or `seq`."""
+    if par.tensor > 1:
+        return vocab.vocab_parallel_cross_entropy(logits, batch["targets"], batch["weights"])
+    return cross_entropy_sum(logits, batch["targets"], batch["weights"])
+
+
 def loss_sum(model: Llama, batch, par: Parallelism = DENSE) -> jax.Array:
     """Weighted cross-entropy summed over the batch's tokens (the caller divides by the weight total).
 
@@ -223,9 +231,4 @@ def loss_sum(model: Llama, batch, par: Parallelism = DENSE) -> jax.Array:
     """
     x = model.embed_tokens(batch["inputs"], par)
     x = model.run_layers(x, batch["segment_ids"], batch["positions"], par)
-    logits = model.logits(x, par)
-    if par.tensor > 1:
-        loss = vocab.vocab_parallel_cross_entropy(logits, batch["targets"], batch["weights"])
-    else:
-        loss = cross_entropy_sum(logits, batch["targets"], batch["weights"])
-    return par.sum_tokens(loss)
+    return par.sum_tokens(local_loss_sum(model.logits(x, par), batch, par))

@@ -73,6 +73,11 @@ def _mesh_axes(name, value):
     return axes[0] if len(axes) == 1 else axes
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one rule value or PartitionSpec entry (None, an axis name, or a tuple of them)."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def logical_to_spec(names, rules, mesh=None, shape=None, what="array") -> P:
     """Maps logical names to a PartitionSpec. Mesh axes of size 1 are dropped; a mesh axis is used once.
 
@@ -82,7 +87,7 @@ def logical_to_spec(names, rules, mesh=None, shape=None, what="array") -> P:
     spec = []
     for dim, name in enumerate(names):
         target = rules.get(name) if name is not None else None
-        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        axes = spec_axes(target)
         if mesh is not None:
             axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
         axes = tuple(a for a in axes if a not in used)

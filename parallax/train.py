@@ -23,7 +23,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models.llama import Llama, LlamaConfig, apply_layers, cross_entropy_sum, loss_sum
+from models.llama import Llama, LlamaConfig, apply_layers, local_loss_sum, loss_sum
 from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
@@ -31,7 +31,6 @@ from parallax import optim, sharding
 from parallax.config import ConfigError
 from parallax.pipeline.executor import from_pipeline_layout, pipeline_value_and_grad, to_pipeline_layout
 from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, validate
-from parallax.parallel import vocab
 from parallax.parallel.manual import Parallelism, shard_loss
 from parallax.parallel.sequence import check_sequence_parallel
 
@@ -152,9 +151,7 @@ def _rule_overrides(config) -> dict:
 
 def _batch_ways(sizes, rules) -> int:
     """How many ways the batch is split (mesh axes of the `batch` rule), from axis sizes alone."""
-    target = rules["batch"]
-    axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-    return math.prod(sizes[a] for a in axes)
+    return math.prod(sizes[a] for a in sharding.spec_axes(rules["batch"]))
 
 
 def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
@@ -268,16 +265,13 @@ class Trainer:
             return apply_layers(block_graphdef, chunk, x, mb["segment_ids"], mb["positions"], cfg.remat, par)
 
         def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
-            logits = model(rest_params).logits(x, par)
-            if par.tensor > 1:  # the full value on every tensor rank
-                return vocab.vocab_parallel_cross_entropy(logits, mb["targets"], mb["weights"])
-            return cross_entropy_sum(logits, mb["targets"], mb["weights"])
+            return local_loss_sum(model(rest_params).logits(x, par), mb, par)
 
         rest_specs = par.param_specs({k: v for k, v in self.logical.items() if k != "blocks"})
         # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
         stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), par.param_specs(self.logical["blocks"]))
-        batch_axes = sharding.logical_to_spec(("batch",), self.rules, self.mesh)
-        batch_axes = tuple(batch_axes[0]) if len(batch_axes) and isinstance(batch_axes[0], tuple) else tuple(batch_axes)
+        batch_spec = sharding.logical_to_spec(("batch",), self.rules, self.mesh)
+        batch_axes = sharding.spec_axes(batch_spec[0]) if len(batch_spec) else ()
         loss, grads = pipeline_value_and_grad(
             schedule, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
             params={"first": rest, "stages": to_pipeline_layout(params["blocks"], schedule), "last": rest},

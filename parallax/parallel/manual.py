@@ -38,14 +38,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from parallax.parallel import sequence, tensor
-from parallax.sharding import logical_to_spec
+from parallax.sharding import logical_to_spec, spec_axes
 
 # Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
 MODEL_AXES = ("seq", "tensor")
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +77,7 @@ class Parallelism:
         """All-gathers the dims of weight `w` (logical `names`) sharded over non-model axes, e.g. FSDP's
         `embed -> fsdp`; the `tensor` split stays. Identity for `DENSE`. Its gradient is a reduce-scatter."""
         for dim, entry in enumerate(self.spec(names) if self.mesh_shape else ()):
-            gather = tuple(a for a in _axes(entry) if a not in MODEL_AXES)
+            gather = tuple(a for a in spec_axes(entry) if a not in MODEL_AXES)
             if gather:
                 w = jax.lax.all_gather(w, gather, axis=dim, tiled=True)
         return w
@@ -105,7 +101,7 @@ class Parallelism:
     def sum_tokens(self, x):
         """Sums a per-rank token statistic over the ranks holding other tokens (batch axes and `seq`)."""
         batch = self.spec(("batch",))
-        axes = (_axes(batch[0]) if len(batch) else ()) + (("seq",) if self.seq > 1 else ())
+        axes = (spec_axes(batch[0]) if len(batch) else ()) + (("seq",) if self.seq > 1 else ())
         return jax.lax.psum(x, axes) if axes else x
 
     def model_axes_only(self) -> "Parallelism":
@@ -141,7 +137,7 @@ def _is_names(x) -> bool:
 
 def _vary(x, spec: P, mesh):
     """Casts a parameter replicated over some mesh axes to varying over them (grad psum at the boundary)."""
-    used = {a for entry in spec for a in _axes(entry)}
+    used = {a for entry in spec for a in spec_axes(entry)}
     axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
