@@ -8,7 +8,7 @@ from parallax.defaults import default_config
 
 
 def get_config():
-    config = default_config()
+    config = default_config(model="llama")
     config.mesh.update(data=2, fsdp=-1, tensor=8)
     config.model.update(num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, d_ff=28672,
                         vocab_size=128256, dtype="bfloat16", rope_theta=500000.0, remat="full")

@@ -8,7 +8,7 @@ from parallax.defaults import default_config
 
 
 def get_config():
-    config = default_config()
+    config = default_config(model="llama")
     config.mesh.update(data=1, fsdp=-1, tensor=8)
     config.model.update(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, d_ff=14336,
                         vocab_size=128256, dtype="bfloat16", rope_theta=500000.0, remat="dots")

@@ -22,7 +22,7 @@ FLAGS = flags.FLAGS
 def _config(**mesh):
     from parallax.defaults import default_config
 
-    config = default_config()
+    config = default_config(model="llama")
     for axis in config.mesh:
         config.mesh[axis] = mesh.pop(axis, 1)
     config.model.update(num_layers=8, d_model=128, num_heads=4, num_kv_heads=2, d_ff=256, vocab_size=256)
@@ -50,7 +50,8 @@ def _time_steps(trainer, dataset, steps):
 
 
 def bench_meshes(steps):
-    from parallax.train import Trainer, make_dataset
+    from parallax.train import make_dataset
+    from parallax.trainer import Trainer
 
     cases = [("1 device", dict(), 1), ("data=8", dict(data=8), 8), ("fsdp=8", dict(fsdp=8), 8),
              ("data=2 fsdp=4", dict(data=2, fsdp=4), 8), ("data=4 tensor=2", dict(data=4, tensor=2), 8),
@@ -71,7 +72,8 @@ def bench_meshes(steps):
 def bench_pipeline(steps):
     import jax
 
-    from parallax.train import Trainer, make_dataset
+    from parallax.train import make_dataset
+    from parallax.trainer import Trainer
 
     print("\n| schedule | p | m | ticks | temp MiB (compiled) | step time (s) |\n|---|---|---|---|---|---|")
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"):

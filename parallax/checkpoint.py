@@ -44,9 +44,6 @@ class Checkpointer:
             return False
         return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
 
-    def wait(self):
-        self.manager.wait_until_finished()
-
     def close(self):
         self.manager.wait_until_finished()
         self.manager.close()

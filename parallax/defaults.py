@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import ml_collections
 
-from parallax.sharding import DEFAULT_RULES
+from parallax.model import model_class, model_config_defaults
+from parallax.sharding import make_rules
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """Every key parallax reads, with its default. Overrides of keys not listed here are errors."""
+def default_config(model: str) -> ml_collections.ConfigDict:
+    """Every key parallax reads, with its default, for model `model`: a registered name (an entry point
+    of group `parallax.models`, e.g. `llama`), `package.module:Class`, or `path/to/file.py:Class`.
+    `config.model` holds the generic model keys (`parallax.model.GENERIC_KEYS`) and the model's own (its
+    `config_defaults()`). Overrides of keys not listed here are errors."""
     c = ml_collections.ConfigDict()
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, pipe=1, expert=1, seq=1, tensor=1))
-    c.model = ml_collections.ConfigDict(dict(
-        num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=256, head_dim=0,
-        dtype="float32", rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, remat="none",
-        attention="dense"))  # dense | ulysses | ring: attention over mesh.seq > 1
+    c.model = ml_collections.ConfigDict(model_config_defaults(model))
     c.train = ml_collections.ConfigDict(dict(
         steps=100, global_batch_size=8, seq_len=64, seed=0, microbatches=1, log_every=10, eval_every=50,
         eval_batches=2, checkpoint_every=50, keep_checkpoints=2, async_checkpoint=True, nan_policy="stop",
@@ -25,5 +26,5 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline = ml_collections.ConfigDict(dict(schedule="1f1b", microbatches=4, virtual_stages=1, remat=False))
     c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1))
     c.sharding = ml_collections.ConfigDict()
-    c.sharding.rules = ml_collections.ConfigDict(dict(DEFAULT_RULES))
+    c.sharding.rules = ml_collections.ConfigDict(make_rules(extra=model_class(model).rules))
     return c

@@ -29,10 +29,15 @@ def lr_schedule(optim_config, total_steps: int) -> optax.Schedule:
         decay_steps=warmup + decay_steps, end_value=float(optim_config.lr) * float(optim_config.min_lr_ratio))
 
 
+# `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
+_NOT_MATRIX_DIMS = ("head_dim",)
+
+
 def decay_mask(logical_names) -> dict:
-    """True for parameters that get weight decay (two or more non-stacking dims)."""
-    return jax.tree.map(lambda names: sum(n not in _STACKING for n in names) >= 2, logical_names,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    """True for parameters that get weight decay: matrices, i.e. two or more dims besides the stacking
+    dims (`layers`) and `head_dim`. Norm scales and biases are not decayed."""
+    return jax.tree.map(lambda names: sum(n not in _STACKING + _NOT_MATRIX_DIMS for n in names) >= 2,
+                        logical_names, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make_optimizer(optim_config, total_steps: int, logical_names) -> optax.GradientTransformation:

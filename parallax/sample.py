@@ -7,18 +7,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from parallax.model import forward
+
 
 def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int, *, temperature: float = 0.8,
              seed: int = 0) -> np.ndarray:
-    """Samples `num_tokens` after `prompt` (1-D int array) with a sliding window of `seq_len` tokens."""
+    """Samples `num_tokens` after `prompt` (1-D int array) with a sliding window of `seq_len` tokens.
+
+    `graphdef` / `params` are any `parallax.model.Model`'s (run through the contract: embed, blocks, logits).
+    """
 
     @jax.jit
     def next_token(params, window, length, key):
         model = nnx.merge(graphdef, params)
-        tokens = window[None]  # (1, S)
-        positions = jnp.arange(seq_len)[None]
+        positions = jnp.arange(seq_len)[None]  # (1, S)
         segment_ids = (positions < length).astype(jnp.int32)  # real tokens are segment 1, the rest padding
-        logits = model(tokens, segment_ids, positions)[0, length - 1]  # (V,)
+        batch = {"inputs": window[None], "segment_ids": segment_ids, "positions": positions}
+        logits = model.logits(forward(model, batch))[0, length - 1]  # (V,)
         if temperature <= 0:
             return jnp.argmax(logits)
         return jax.random.categorical(key, logits / temperature)
@@ -40,7 +45,7 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
 
     from parallax import checkpoint as ckpt_lib
     from parallax.config import ConfigError, config_from_json
-    from parallax.train import Trainer
+    from parallax.trainer import Trainer
 
     path = epath.Path(workdir) / "config.json"
     if not path.exists():

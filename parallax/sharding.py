@@ -48,9 +48,12 @@ DEFAULT_RULES: dict[str, object] = {
 _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("parallax_sharding", default=None)
 
 
-def make_rules(overrides=None) -> dict[str, object]:
-    """DEFAULT_RULES with `overrides` ({logical: mesh axis | tuple | None}) applied; unknown names are errors."""
+def make_rules(overrides=None, extra=None) -> dict[str, object]:
+    """DEFAULT_RULES plus a model's `extra` names, with `overrides` ({logical: mesh axis | tuple | None})
+    applied; unknown names are errors."""
     rules = dict(DEFAULT_RULES)
+    for name, value in dict(extra or {}).items():
+        rules[name] = _mesh_axes(name, value)
     for name, value in dict(overrides or {}).items():
         if name not in rules:
             raise ConfigError(f"config.sharding.rules.{name}: unknown logical axis; valid: {', '.join(sorted(rules))}")
@@ -106,6 +109,11 @@ def logical_to_spec(names, rules, mesh=None, shape=None, what="array") -> P:
     return P(*spec)
 
 
+def is_logical_names(x) -> bool:
+    """A tuple of logical names (the leaves of a logical-names tree)."""
+    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
 def param_logical_names(abstract_state) -> dict:
     """Pure-dict pytree of the logical names of every parameter of an nnx state."""
     def names(var):
@@ -124,8 +132,7 @@ def param_shardings(abstract_params, logical_names, mesh, rules) -> dict:
     def one(path, arr, names):
         where = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
         return NamedSharding(mesh, logical_to_spec(names, rules, mesh, arr.shape, where))
-    return jax.tree_util.tree_map_with_path(one, abstract_params, logical_names,
-                                            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x))
+    return jax.tree_util.tree_map_with_path(one, abstract_params, logical_names, is_leaf=is_logical_names)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Shared test utilities: the tiny config, a 1-device reference, and relative errors."""
+"""Shared test utilities: the tiny configs, a 1-device reference, relative errors and the parity check."""
 
 import os
 
@@ -6,23 +6,26 @@ import jax
 import numpy as np
 
 from parallax.config import load_config_file
-from parallax.train import Trainer, make_dataset
+from parallax.train import make_dataset
+from parallax.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tiny_config(**mesh):
-    """configs/tiny.py with the given mesh sizes (others 1)."""
-    config = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+def tiny_config(model="llama", **mesh):
+    """configs/tiny.py (Llama) or configs/gpt2_tiny.py with the given mesh sizes (others 1)."""
+    config = load_config_file(os.path.join(ROOT, "configs", "tiny.py" if model == "llama" else f"{model}_tiny.py"))
     for axis in config.mesh:
         config.mesh[axis] = mesh.get(axis, 1)
     return config
 
 
 def rel_err(a, b) -> float:
-    """Relative Frobenius error of a against reference b."""
+    """Relative Frobenius error of a against reference b. A zero reference must be matched exactly (a
+    parity test of a leaf whose reference gradient is zero proves nothing, so none of ours has one)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    diff, norm = np.linalg.norm(a - b), np.linalg.norm(b)
+    return float(diff / norm) if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 def max_leaf_rel_err(tree, ref) -> tuple[float, str]:
@@ -33,6 +36,18 @@ def max_leaf_rel_err(tree, ref) -> tuple[float, str]:
         if err >= worst:
             worst, where = err, jax.tree_util.keystr(path)
     return worst, where
+
+
+def assert_parity(got, ref, tol=1e-5):
+    """(loss, grads, step losses) against the reference triple: loss and every gradient leaf within `tol`
+    relative error, the step losses within rtol `tol`."""
+    loss, grads, losses = got
+    ref_loss, ref_grads, ref_losses = ref
+    err, where = max_leaf_rel_err(grads, ref_grads)
+    print(f"loss rel err {rel_err(loss, ref_loss):.2e}, worst gradient {where} {err:.2e}")
+    assert rel_err(loss, ref_loss) <= tol
+    assert err <= tol, f"gradient {where} differs by {err:.2e}"
+    np.testing.assert_allclose(losses, ref_losses[:len(losses)], rtol=tol)
 
 
 def loss_grads_and_steps(config, devices, steps=5):

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import ROOT, tiny_config
 from parallax.config import ConfigError
-from parallax.train import train_and_evaluate
+from parallax.train import check_resume, train_and_evaluate
 
 
 def _losses(workdir):
@@ -60,6 +60,14 @@ def test_resume_refuses_a_changed_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_refuses_a_workdir_from_before_named_models():
+    config = _config(steps=3)
+    saved = json.loads(config.to_json_best_effort())
+    del saved["model"]["name"]
+    with pytest.raises(ConfigError, match="config.model.name: the checkpoint in this workdir was written before"):
+        check_resume(config, json.dumps(saved))
+
+
 def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
     workdir = str(tmp_path / "run")
     args = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import ROOT
 from parallax.config import ConfigError, apply_override, load_config_file
-from parallax.train import shape_check
+from parallax.trainer import shape_check
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 DEVICES = {"llama3_8b.py": 64, "llama3_70b.py": 256}

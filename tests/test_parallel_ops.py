@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from helpers import rel_err as _rel_err
 from parallax import hlo
 from parallax.parallel import sequence, tensor, vocab
 
@@ -47,11 +48,6 @@ def _packed(rng, b, t):
         pos[row, end:] = np.arange(t - end)
     assert (seg.max(axis=1) >= 3).all(), "want several documents per row"
     return jnp.asarray(seg), jnp.asarray(pos)
-
-
-def _rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def _assert_close(got, want, tol=TOL):
@@ -172,8 +168,8 @@ def _dense_mlp(x, w_gate, w_up, w_down):
 
 def _sp_mlp(x, w_gate, w_up, w_down):
     x = tensor.gather_seq(x)  # (B, T, d)
-    h = jax.nn.silu(tensor.column_parallel(x, w_gate)) * tensor.column_parallel(x, w_up)  # (B, T, f/t)
-    return tensor.scatter_seq(tensor.row_parallel(h, w_down))  # (B, T/t, d)
+    h = jax.nn.silu(x @ w_gate) * (x @ w_up)  # column-parallel: (B, T, f/t)
+    return tensor.scatter_seq(h @ w_down)  # row-parallel partial sums, reduce-scattered: (B, T/t, d)
 
 
 def _tp_mlp(mesh):
@@ -352,9 +348,6 @@ def test_count_collectives_counts_async_pairs_once():
     (lambda: sequence.check_sequence_parallel("ulysses", 4, 8, 2, 18), "multiple of 4"),
     (lambda: sequence.check_sequence_parallel("dense", 2, 8, 2, 16), "set attention"),
     (lambda: sequence.check_sequence_parallel("flash", 2, 8, 2, 16), "use 'dense'"),
-    (lambda: tensor.check_tensor_parallel(4, 8, 2, 64, 128), "num_kv_heads"),
-    (lambda: tensor.check_tensor_parallel(4, 8, 4, 64, 130), "vocab_size"),
-    (lambda: tensor.check_tensor_parallel(4, 8, 4, 64, 128, seq_len=18), "seq_len"),
     (lambda: sequence.ring_layout(jnp.zeros((1, 12)), 4), "multiple of 8"),
 ])
 def test_divisibility_errors_are_one_line_and_name_the_fix(call, fix):
@@ -368,4 +361,3 @@ def test_valid_configurations_pass_the_checks():
     sequence.check_sequence_parallel("ring", 4, 8, 2, 16)
     sequence.check_sequence_parallel("ulysses", 4, 8, 2, 16)  # K < s: kv heads are repeated
     sequence.check_sequence_parallel("dense", 1, 8, 2, 16)
-    tensor.check_tensor_parallel(4, 8, 4, 64, 128, seq_len=16)

@@ -13,7 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from parallax.pipeline import executor
+from helpers import rel_err
+from parallax.pipeline import executor, program
 from parallax.pipeline.schedule import make_schedule
 
 VOCAB, D, FF, T, ROWS, LAYERS, M = 32, 16, 32, 4, 8, 8, 4
@@ -84,10 +85,6 @@ def pipelined(sched, mesh, remat=False):
     return jax.jit(run)
 
 
-def rel_err(a, b):
-    return float(jnp.linalg.norm(jnp.ravel(a - b)) / jnp.linalg.norm(jnp.ravel(b)))
-
-
 def assert_matches_reference(loss, grads):
     ref_loss, ref_grads = reference()
     assert rel_err(loss, ref_loss) <= 1e-5
@@ -104,6 +101,27 @@ def test_schedule_grads_match_unpipelined(name, v, p, remat):
     mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
     params, inputs = make_model()
     assert_matches_reference(*pipelined(sched, mesh, remat)(params, inputs))
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("name,v", SCHEDULES, ids=[n for n, _ in SCHEDULES])
+def test_forward_only_program_runs_only_the_forwards_and_gives_the_loss(name, v, p):
+    sched = make_schedule(name, p, M, v)
+    full, fwd = executor.compile_schedule(sched), executor.compile_schedule(sched, forward_only=True)
+    assert set(fwd.branches) <= {program._IDLE, program._F, program._F_FIRST, program._F_LAST}
+    kinds = fwd.code[..., program._BRANCH]  # indices into fwd.branches, where 0 is idle
+    assert (kinds != 0).sum() == M * sched.num_stages  # every F once
+    assert fwd.num_ticks < full.num_ticks and (kinds != 0).any(axis=1).all()  # no all-idle tick left
+    mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
+    params, inputs = make_model()
+
+    @jax.jit
+    def loss(params, inputs):
+        staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+                  "last": params["last"]}
+        return executor.pipeline_loss(sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
+                                      params=staged, inputs=inputs, mesh=mesh)
+    assert rel_err(loss(params, inputs), reference()[0]) <= 1e-5
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])

@@ -1,12 +1,11 @@
 """The pipelined Llama (every schedule, pipe in {2, 4}, with data / FSDP) equals the 1-device model."""
 
 import jax
-import numpy as np
 import pytest
 
-from helpers import loss_grads_and_steps, max_leaf_rel_err, rel_err, tiny_config
+from helpers import assert_parity, loss_grads_and_steps, tiny_config
 from parallax.config import ConfigError
-from parallax.train import check_config
+from parallax.plan import make_plan
 
 TOL = 1e-5
 LAYERS = 8  # divisible into p * v stages for p in {2, 4}, v in {1, 2}
@@ -32,25 +31,15 @@ CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv") f
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,pipe", CASES, ids=[f"{s}-pipe{p}" for s, p in CASES])
 def test_pipelined_loss_grads_and_steps_match_single_device(reference, schedule, pipe):
-    ref_loss, ref_grads, ref_losses = reference
-    loss, grads, losses = loss_grads_and_steps(_config(schedule, pipe=pipe, data=8 // pipe), jax.devices(), 5)
-    assert rel_err(loss, ref_loss) <= TOL
-    err, where = max_leaf_rel_err(grads, ref_grads)
-    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
-    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+    assert_parity(loss_grads_and_steps(_config(schedule, pipe=pipe, data=8 // pipe), jax.devices(), 5), reference, TOL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_pipeline_with_fsdp_and_remat_matches_single_device(reference, schedule):
-    ref_loss, ref_grads, ref_losses = reference
     config = _config(schedule, remat=True, data=2, fsdp=2, pipe=2)
     config.model.remat = "full" if schedule == "zbv" else "none"  # a checkpointed layer scan inside the stages
-    loss, grads, losses = loss_grads_and_steps(config, jax.devices(), steps=5)
-    assert rel_err(loss, ref_loss) <= TOL
-    err, where = max_leaf_rel_err(grads, ref_grads)
-    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
-    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+    assert_parity(loss_grads_and_steps(config, jax.devices(), steps=5), reference, TOL)
 
 
 # Tensor / sequence parallelism inside the stages: (schedule, mesh, attention, training steps checked).
@@ -68,16 +57,9 @@ MODEL_PARALLEL_CASES = [
                               for s, m, a, _ in MODEL_PARALLEL_CASES])
 def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device(
         reference, schedule, mesh, attention, steps):
-    ref_loss, ref_grads, ref_losses = reference
     config = _config(schedule, pipe=2, **mesh)
     config.model.attention = attention
-    loss, grads, losses = loss_grads_and_steps(config, jax.devices(), steps)
-    err, where = max_leaf_rel_err(grads, ref_grads)
-    print(f"{schedule} {mesh} {attention}: loss rel err {rel_err(loss, ref_loss):.2e}, worst gradient {where} "
-          f"{err:.2e}, step losses max rel err {max(rel_err(a, b) for a, b in zip(losses, ref_losses)):.2e}")
-    assert rel_err(loss, ref_loss) <= TOL
-    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
-    np.testing.assert_allclose(losses, ref_losses[:steps], rtol=TOL)
+    assert_parity(loss_grads_and_steps(config, jax.devices(), steps), reference, TOL)
 
 
 @pytest.mark.parametrize("change,expected", [
@@ -93,5 +75,5 @@ def test_bad_pipeline_config_names_the_fix(change, expected):
     for section, values in change.items():
         config[section].update(values)
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as info:
-        check_config(config, 8)
+        make_plan(config, 8)
     assert "\n" not in str(info.value)

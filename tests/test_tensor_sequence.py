@@ -8,13 +8,14 @@ compiles to one forward and one backward while loop; each holds exactly the coll
 import math
 
 import jax
-import numpy as np
 import pytest
 
-from helpers import loss_grads_and_steps, max_leaf_rel_err, rel_err, tiny_config
+from helpers import assert_parity, loss_grads_and_steps, tiny_config
 from parallax import hlo
 from parallax.config import ConfigError
-from parallax.train import Trainer, check_config, make_dataset
+from parallax.plan import make_plan
+from parallax.train import make_dataset
+from parallax.trainer import Trainer
 
 TOL = 1e-5
 
@@ -52,14 +53,7 @@ PARITY_MESHES = [
 @pytest.mark.parametrize("mesh", PARITY_MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
 def test_loss_grads_and_steps_match_single_device(references, mesh):
     kv_heads = mesh.get("kv_heads", 2)
-    ref_loss, ref_grads, ref_losses = references(kv_heads)
-    loss, grads, losses = loss_grads_and_steps(_config(**mesh), jax.devices())
-    err, where = max_leaf_rel_err(grads, ref_grads)
-    print(f"{mesh}: loss rel err {rel_err(loss, ref_loss):.2e}, worst gradient {where} {err:.2e}, "
-          f"step losses max rel err {max(rel_err(a, b) for a, b in zip(losses, ref_losses)):.2e}")
-    assert rel_err(loss, ref_loss) <= TOL
-    assert err <= TOL, f"gradient {where} differs by {err:.2e}"
-    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+    assert_parity(loss_grads_and_steps(_config(**mesh), jax.devices()), references(kv_heads), TOL)
 
 
 # Per layer and step, in the forward and in the backward loop body (the design's table in the README).
@@ -119,5 +113,5 @@ def test_bad_parallel_config_raises_one_line_error_naming_the_fix(mesh, model, t
     config.model.update(model)
     config.train.update(train)
     with pytest.raises(ConfigError, match=match) as info:
-        check_config(config, 8)
+        make_plan(config, 8)
     assert "\n" not in str(info.value)

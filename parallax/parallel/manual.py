@@ -6,10 +6,11 @@ array is this rank's piece:
 
     tokens, targets, weights, segment ids, positions   [B/dp, T/s]          (batch over data/fsdp/expert)
     residual stream between blocks                     [B/dp, T/(s*t), D]   (sequence also over `tensor`)
-    wq / wk / wv / wo, w_gate / w_up / w_down          heads / kv heads / d_ff split over `tensor`
-    embed [V/t, D], head [D, V/t]                      vocabulary split over `tensor`
+    weights named heads / kv_heads / mlp               split over `tensor` (the rules table)
+    weights named vocab (embedding, head)              vocabulary split over `tensor`
 
-Per layer: norm on the sharded stream, `gather_seq` (all-gather over `tensor`), column-parallel q/k/v, local
+For a transformer block (the models in `models/` are examples) that means, per layer: norm on the sharded
+stream, `gather_seq` (all-gather over `tensor`), column-parallel q/k/v, local
 heads attend (`dense` when seq == 1, else Ulysses all-to-alls or ring collective-permutes over `seq`),
 row-parallel out projection, `scatter_seq` (reduce-scatter over `tensor`); the MLP the same way. The loss is
 the vocabulary-parallel cross-entropy sum, summed over `seq` and the batch axes. With ring attention each
@@ -35,10 +36,11 @@ import dataclasses
 import types
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.parallel import sequence, tensor
-from parallax.sharding import logical_to_spec, spec_axes
+from parallax.parallel import sequence, tensor, vocab
+from parallax.sharding import constrain, is_logical_names, logical_to_spec, spec_axes
 
 # Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
 MODEL_AXES = ("seq", "tensor")
@@ -53,14 +55,9 @@ class Parallelism:
 
     tensor: int = 1
     seq: int = 1
-    attention: str = "dense"  # dense | ulysses | ring
+    attention_kind: str = "dense"  # dense | ulysses | ring
     mesh_shape: tuple = ()
     rules: tuple = ()
-
-    @classmethod
-    def from_mesh(cls, mesh, rules, attention: str) -> "Parallelism":
-        return cls(tensor=mesh.shape["tensor"], seq=mesh.shape["seq"], attention=attention,
-                   mesh_shape=tuple(mesh.shape.items()), rules=tuple(rules.items()))
 
     @property
     def manual(self) -> bool:
@@ -71,7 +68,7 @@ class Parallelism:
 
     def param_specs(self, logical):
         """A params tree of logical names -> the tree of their PartitionSpecs (`spec` of each)."""
-        return jax.tree.map(self.spec, logical, is_leaf=_is_names)
+        return jax.tree.map(self.spec, logical, is_leaf=is_logical_names)
 
     def unshard(self, w, names):
         """All-gathers the dims of weight `w` (logical `names`) sharded over non-model axes, e.g. FSDP's
@@ -82,6 +79,13 @@ class Parallelism:
                 w = jax.lax.all_gather(w, gather, axis=dim, tiled=True)
         return w
 
+    def weight(self, var):
+        """The value of parameter `var` as this rank uses it: FSDP shards gathered (`unshard`), the `tensor`
+        split kept. Inside the layer scan `var` is one layer's slice, so its leading `layers` name is dropped."""
+        value = var[...]
+        names = tuple(var.get_metadata()["logical"])
+        return self.unshard(value, names[len(names) - value.ndim:])
+
     def gather_seq(self, x):
         """[B, T/(s*t), D] -> [B, T/s, D] (all-gather over `tensor`); identity when tensor == 1."""
         return tensor.gather_seq(x) if self.tensor > 1 else x
@@ -90,13 +94,45 @@ class Parallelism:
         """Partial sums [B, T/s, D] -> [B, T/(s*t), D] (reduce-scatter over `tensor`); identity when tensor == 1."""
         return tensor.scatter_seq(y) if self.tensor > 1 else y
 
-    def attend(self, q, k, v, segment_ids, positions):
-        """Sequence-parallel attention over `seq` on local heads. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh]."""
-        if self.attention == "ulysses":
+    def split_seq(self, x):
+        """[B, T/s, ...] -> this tensor rank's [B, T/(s*t), ...] (a slice, no communication); identity when
+        tensor == 1. For per-token values every tensor rank computes whole, e.g. learned position embeddings."""
+        if self.tensor == 1:
+            return x
+        n = x.shape[1] // self.tensor
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("tensor") * n, n, axis=1)
+
+    def embed(self, table_param, tokens, dtype):
+        """Token embedding lookup in the table `table_param` (an nnx.Param [V, D]): tokens [B, T/s] -> the
+        residual stream [B, T/(s*t), D] in `dtype`.
+
+        With tensor > 1 the table is split over the vocabulary ([V/t, D] per rank) and the ranks' rows are
+        combined with one reduce-scatter along the sequence (`vocab.vocab_parallel_embed`). Otherwise rows
+        are taken from the fp32 table and cast, so the table's gradient is accumulated in fp32."""
+        table = self.weight(table_param)
+        if self.tensor > 1:
+            return vocab.vocab_parallel_embed(table.astype(dtype), tokens)  # (B, T/(s*t), D)
+        table = constrain(table, ("vocab", None))  # gather FSDP shards of the table before the lookup
+        return constrain(jnp.take(table, tokens, axis=0).astype(dtype), ("batch", "length", "act_embed"))
+
+    def attention(self, q, k, v, segment_ids, positions):
+        """Causal attention within packed documents on this rank's heads: dense when seq == 1, else Ulysses
+        or ring over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) -> [B, T/s, H/t, Dh]."""
+        if self.seq == 1:
+            return sequence.attention_reference(q, k, v, segment_ids, segment_ids, positions, positions)
+        if self.attention_kind == "ulysses":
             return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq")
-        if self.attention == "ring":
+        if self.attention_kind == "ring":
             return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq")
-        raise ValueError(f"attention={self.attention!r} cannot run on seq={self.seq}: use 'ulysses' or 'ring'")
+        raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses' or 'ring'")
+
+    def cross_entropy(self, logits, batch):
+        """Weighted cross-entropy summed over this rank's tokens (not yet over the batch axes or `seq`):
+        vocabulary-parallel over `tensor` (logits [B, T/s, V/t]; the full value on every tensor rank),
+        dense otherwise (logits [B, T, V]). The caller divides by the global weight total."""
+        if self.tensor > 1:
+            return vocab.vocab_parallel_cross_entropy(logits, batch["targets"], batch["weights"])
+        return vocab.cross_entropy_sum(logits, batch["targets"], batch["weights"])
 
     def sum_tokens(self, x):
         """Sums a per-rank token statistic over the ranks holding other tokens (batch axes and `seq`)."""
@@ -114,7 +150,7 @@ class Parallelism:
     @property
     def zigzag(self) -> bool:
         """Ring attention's batch enters the region whole along T; each rank cuts its zigzag chunks."""
-        return self.attention == "ring" and self.seq > 1
+        return self.attention_kind == "ring" and self.seq > 1
 
     def local_sequence(self, batch: dict) -> dict:
         """With `zigzag`: [B, T] batch arrays -> this rank's [B, T/s] in the ring layout (chunks i, 2s-1-i)."""
@@ -129,10 +165,6 @@ class Parallelism:
 
 
 DENSE = Parallelism()
-
-
-def _is_names(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
 
 def _vary(x, spec: P, mesh):

@@ -39,6 +39,16 @@ def vocab_parallel_embed(table_local, tokens, *, axis_name: str = "tensor", scat
     return jax.lax.psum_scatter(rows, axis_name, scatter_dimension=scatter_axis, tiled=True)  # (B, T/t, d)
 
 
+def cross_entropy_sum(logits, targets, weights):
+    """The dense reference: sum over tokens of weights * -log softmax(logits)[target].
+
+    logits [B, T, V] (any float dtype; computed in fp32); targets, weights [B, T]."""
+    logits = logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
+    return jnp.sum((logz - target_logit) * weights.astype(jnp.float32))
+
+
 def vocab_parallel_cross_entropy(logits_local, targets, weights, *, axis_name: str = "tensor"):
     """Weighted sum over tokens of -log softmax(logits)[target], with the vocabulary split over ranks.
 

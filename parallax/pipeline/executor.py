@@ -1,9 +1,7 @@
 """The pipeline executor: runs a schedule table as one `lax.scan` over ticks inside a `jax.shard_map`.
 
-`compile_schedule` lowers a `Schedule` (numpy, ahead of time) into per-tick, per-rank integer
-instructions: which switch branch to run, on which microbatch / local chunk / activation slot, which
-inbox entry holds its input, and into which inbox entries the messages that arrive this tick go.
-`pipeline_value_and_grad` runs those instructions: every tick each rank `lax.switch`es on its branch,
+`compile_schedule` (`program.py`) lowers a `Schedule` (numpy, ahead of time) into per-tick, per-rank
+integer instructions. `pipeline_value_and_grad` runs those instructions: every tick each rank `lax.switch`es on its branch,
 then two fixed `ppermute`s (+1 ring "up", -1 ring "down", only the pairs the schedule uses) move the
 tick's outputs to the neighbour ranks. `to_pipeline_layout` / `from_pipeline_layout` move stacked layer
 weights `[L, ...]` to the executor's `[p, v, L / (p * v), ...]` layout and back.
@@ -19,126 +17,10 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallax.pipeline.schedule import B, BW, F, IDLE, W, Schedule
-
-# Branches of the per-tick switch. `_FIRST` variants hold stage 0 (they also run `first_fn` or its
-# pullback); `_F_LAST` holds the last stage (it also runs `last_fn` and its pullback, which seeds the
-# backward).
-_IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _W, _BW, _BW_FIRST = range(9)
-
-# Fields of one lowered instruction. Inbox indices are -1 where nothing is read or written.
-_BRANCH, _MB, _CHUNK, _SLOT, _IN, _LOCAL, _FROM_UP, _FROM_DOWN = range(8)
-_NUM_FIELDS = 8
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Program:
-    """A schedule lowered for the executor.
-
-    code: int32 [ticks, p, 8] instructions (fields `_BRANCH` .. `_FROM_DOWN`); `code[..., _BRANCH]`
-      indexes `branches`, the switch branches this schedule uses.
-    inbox_size: entries of the per-rank inbox that buffers activations and output cotangents from their
-      arrival until their last use (bounded by the schedule, not by the number of microbatches for
-      1F1B-like schedules).
-    num_slots: per-rank activation slots (residuals, or chunk inputs with remat).
-    up_perm / down_perm: `ppermute` pairs for messages to rank r+1 / r-1 (mod p); empty if unused.
-    """
-    code: np.ndarray
-    branches: tuple[int, ...]
-    inbox_size: int
-    num_slots: int
-    up_perm: tuple[tuple[int, int], ...]
-    down_perm: tuple[tuple[int, int], ...]
-
-    @property
-    def num_ticks(self) -> int:
-        return int(self.code.shape[0])
-
-
-def compile_schedule(schedule: Schedule) -> Program:
-    """Lowers `schedule` into executor instructions; raises ValueError if the executor cannot run it."""
-    s = schedule
-    p, num_stages, table = s.num_ranks, s.num_stages, s.table
-    if num_stages < 2:
-        raise ValueError(f"{s.name}: the pipeline executor needs at least 2 stages, got {num_stages}; "
-                         f"use pipe >= 2 or call jax.value_and_grad directly")
-    rank_of = {int(s.stage_of[r, c]): r for r in range(p) for c in range(s.num_chunks)}
-    f_at, g_at, w_at = {}, {}, {}  # (mb, stage) -> tick of F / of B or BW / of W
-    for t, r in np.argwhere(table[..., 0] != IDLE):
-        kind, mb, c, _ = (int(x) for x in table[t, r])
-        key = (mb, int(s.stage_of[r, c]))
-        {F: f_at, B: g_at, BW: g_at, W: w_at}[kind][key] = int(t)
-
-    # Messages: ("x", mb, stage) is the input activation of F(mb, stage); ("g", mb, stage) is the output
-    # cotangent of stage `stage`, read by its B / BW and again by its W.
-    msgs = {}  # key -> (producer rank, producer tick, consumer rank, last use tick)
-    for (mb, stage), t in f_at.items():
-        if stage + 1 < num_stages:
-            key, use = ("x", mb, stage + 1), f_at.get((mb, stage + 1))
-        else:  # the last stage's F also computes the loss: it seeds the backward locally
-            key, use = ("g", mb, stage), g_at.get((mb, stage))
-        msgs[key] = (rank_of[stage], t, rank_of[key[2]], use)
-    for (mb, stage), t in g_at.items():
-        if stage > 0:
-            msgs[("g", mb, stage - 1)] = (rank_of[stage], t, rank_of[stage - 1], g_at.get((mb, stage - 1)))
-    for key, (src, t, dst, use) in msgs.items():
-        if key[0] == "g":
-            use = max(use if use is not None else -1, w_at.get(key[1:], -1))
-        if use is None or use <= t:
-            raise ValueError(f"{s.name}: {key} is produced at tick {t} but used at tick {use}; run "
-                             f"parallax.pipeline.schedule.validate on the schedule and fix what it reports")
-        if src != dst and dst not in ((src + 1) % p, (src - 1) % p):
-            raise ValueError(f"{s.name}: stage {key[2]} on rank {dst} takes input from rank {src}, which is "
-                             f"not a neighbour; place consecutive stages on neighbouring ranks")
-        msgs[key] = (src, t, dst, use)
-
-    # Inbox entries per rank: greedy interval colouring in arrival order (optimal for intervals). An entry
-    # freed by a read at tick u can take a message that arrives at the end of tick u.
-    entry = {}
-    free_at = [[] for _ in range(p)]  # per rank: entry -> tick after which it is free
-    for key, (src, t, dst, use) in sorted(msgs.items(), key=lambda kv: (kv[1][1], kv[0])):
-        pool = free_at[dst]
-        i = next((i for i, f in enumerate(pool) if f <= t), len(pool))
-        if i == len(pool):
-            pool.append(0)
-        pool[i] = use
-        entry[key] = i
-    inbox_size = max(len(pool) for pool in free_at)
-
-    code = np.full((s.num_ticks, p, _NUM_FIELDS), -1, np.int32)
-    code[..., _BRANCH] = _IDLE
-    code[..., _MB:_SLOT + 1] = 0
-    up, down = set(), set()
-    for t, r in np.argwhere(table[..., 0] != IDLE):
-        kind, mb, c, slot = (int(x) for x in table[t, r])
-        stage = int(s.stage_of[r, c])
-        first, last = stage == 0, stage == num_stages - 1
-        ins = code[t, r]
-        ins[_MB], ins[_CHUNK], ins[_SLOT] = mb, c, slot
-        if kind == F:
-            ins[_BRANCH] = _F_FIRST if first else _F_LAST if last else _F
-            if not first:
-                ins[_IN] = entry["x", mb, stage]
-            out = ("g", mb, stage) if last else ("x", mb, stage + 1)
-        else:
-            ins[_BRANCH] = {B: (_B, _B_FIRST), W: (_W, _W), BW: (_BW, _BW_FIRST)}[kind][first]
-            ins[_IN] = entry["g", mb, stage]
-            out = ("g", mb, stage - 1) if kind != W and not first else None
-        if out is None:
-            continue
-        src, _, dst, _ = msgs[out]
-        if dst == src:
-            ins[_LOCAL] = entry[out]
-        elif dst == (src + 1) % p:
-            code[t, dst, _FROM_UP] = entry[out]
-            up.add((src, dst))
-        else:
-            code[t, dst, _FROM_DOWN] = entry[out]
-            down.add((src, dst))
-    branches = tuple(sorted(set(code[..., _BRANCH].ravel().tolist()) | {_IDLE}))
-    code[..., _BRANCH] = np.searchsorted(np.array(branches), code[..., _BRANCH])
-    return Program(code, branches, inbox_size, s.num_slots, tuple(sorted(up)), tuple(sorted(down)))
-
+from parallax.pipeline.program import (  # noqa: F401  (compile_schedule is part of this module's API)
+    _B, _B_FIRST, _BRANCH, _BW, _BW_FIRST, _CHUNK, _F, _F_FIRST, _F_LAST, _FROM_DOWN, _FROM_UP, _IDLE, _IN,
+    _LOCAL, _MB, _SLOT, _W, Program, compile_schedule)
+from parallax.pipeline.schedule import Schedule
 
 def _take_rows(a, idx):
     """`a[idx]` along dim 0. For explicitly sharded arrays dim 0 of the result is unsharded and the other
@@ -233,168 +115,246 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
     axes) do. A `ppermute` does not: an XLA collective-permute has no replica groups, every device joins
     each one, and on XLA:CPU permutes of different branches and ticks get matched (wrong values).
     """
+    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec)
     prog = compile_schedule(schedule)
-    p, v, m = schedule.num_ranks, schedule.num_chunks, schedule.num_microbatches
-    if mesh.shape.get("pipe") != p:
-        raise ValueError(f"schedule {schedule.name} has {p} ranks but the mesh has pipe="
-                         f"{mesh.shape.get('pipe')}; set mesh pipe={p}")
-    batch = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1)
-    dp = int(np.prod([mesh.shape[a] for a in batch]))
-    for path, a in jax.tree_util.tree_leaves_with_path(inputs):
-        if a.ndim < 2 or a.shape[0] != m or a.shape[1] % dp:
-            raise ValueError(f"input {jax.tree_util.keystr(path)} has shape {a.shape}; it needs [m={m}, "
-                             f"rows, ...] with rows divisible by {dp} (the size of {batch})")
-    for path, a in jax.tree_util.tree_leaves_with_path(params["stages"]):
-        if a.shape[:2] != (p, v):
-            raise ValueError(f"stage weight {jax.tree_util.keystr(path)} has shape {a.shape}; it needs "
-                             f"[p={p}, v={v}, ...]: convert stacked weights with to_pipeline_layout")
-    param_specs = param_specs or {}
-    specs = {}  # full in/out spec per params leaf
-    for key in ("first", "stages", "last"):
-        given = param_specs.get(key)
-        tree = jax.tree.structure(params[key])
-        leaf_specs = [P()] * tree.num_leaves if given is None else tree.flatten_up_to(given)
-        if key == "stages":
-            leaf_specs = [P("pipe", None, *s) for s in leaf_specs]
-        specs[key] = jax.tree.unflatten(tree, leaf_specs)
-    model_axes = set().union(_axes_of(input_spec), *map(_axes_of, jax.tree.leaves(specs))) - {"pipe"}
-    unknown = model_axes - set(mesh.axis_names)
-    if unknown or set(batch) & model_axes:
-        raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
-                         f"{mesh.axis_names} other than pipe and the batch axes {batch}")
-    manual = ("pipe",) + batch + tuple(a for a in mesh.axis_names if a in model_axes and mesh.shape[a] > 1)
-    batch_spec = P(None, batch if batch else None, *input_spec)
-
-    def cast(a, axes):  # `a` varying over `axes` as well
-        missing = tuple(x for x in axes if x not in _vma(a))
-        return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-    def vary(tree):  # varying over every manual axis, so that no vjp transpose inserts a psum
-        return jax.tree.map(lambda a: cast(a, manual), tree)
 
     def body(first_p, stage_p, last_p, inputs):
-        rank = jax.lax.axis_index("pipe")
-        first_p, last_p = vary(first_p), vary(last_p)
-        stage_p = vary(jax.tree.map(lambda a: a[0], stage_p))  # [v, ...]
+        trace = _Trace((first_fn, stage_fn, last_fn), layout.manual, remat, first_p, stage_p, last_p, inputs)
+        trace.probe()
+        loss, (gw, gf, gl) = trace.run(prog)
+        return trace.reduce(loss, {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl},
+                            layout.specs)
+
+    return layout.call(body, params, inputs, out_specs=(P(), layout.specs))
+
+
+def pipeline_loss(schedule: Schedule, *, first_fn, stage_fn, last_fn, params, inputs, mesh,
+                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P()):
+    """The loss of `pipeline_value_and_grad` alone (evaluation): the same shard_map and layout, running
+    only the schedule's F actions (`compile_schedule(..., forward_only=True)`); nothing is stored for a
+    backward and no gradient is accumulated."""
+    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec)
+    prog = compile_schedule(schedule, forward_only=True)
+
+    def body(first_p, stage_p, last_p, inputs):
+        trace = _Trace((first_fn, stage_fn, last_fn), layout.manual, False, first_p, stage_p, last_p, inputs,
+                       forward_only=True)
+        loss, _ = trace.run(prog)
+        return trace.reduce(loss, {}, {})[0]
+
+    return layout.call(body, params, inputs, out_specs=P())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How the executor's arguments lie on the mesh: the shard_map's specs and its manual axes."""
+    mesh: object
+    specs: dict  # full in/out spec per params leaf, {'first', 'stages', 'last'}
+    batch_spec: P
+    manual: tuple
+
+    @classmethod
+    def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec) -> "_Layout":
+        """Checks the arguments' shapes against the schedule and the mesh, and derives the specs."""
+        p, v, m = schedule.num_ranks, schedule.num_chunks, schedule.num_microbatches
+        if mesh.shape.get("pipe") != p:
+            raise ValueError(f"schedule {schedule.name} has {p} ranks but the mesh has pipe="
+                             f"{mesh.shape.get('pipe')}; set mesh pipe={p}")
+        batch = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1)
+        dp = int(np.prod([mesh.shape[a] for a in batch]))
+        for path, a in jax.tree_util.tree_leaves_with_path(inputs):
+            if a.ndim < 2 or a.shape[0] != m or a.shape[1] % dp:
+                raise ValueError(f"input {jax.tree_util.keystr(path)} has shape {a.shape}; it needs [m={m}, "
+                                 f"rows, ...] with rows divisible by {dp} (the size of {batch})")
+        for path, a in jax.tree_util.tree_leaves_with_path(params["stages"]):
+            if a.shape[:2] != (p, v):
+                raise ValueError(f"stage weight {jax.tree_util.keystr(path)} has shape {a.shape}; it needs "
+                                 f"[p={p}, v={v}, ...]: convert stacked weights with to_pipeline_layout")
+        param_specs = param_specs or {}
+        specs = {}
+        for key in ("first", "stages", "last"):
+            given = param_specs.get(key)
+            tree = jax.tree.structure(params[key])
+            leaf_specs = [P()] * tree.num_leaves if given is None else tree.flatten_up_to(given)
+            if key == "stages":
+                leaf_specs = [P("pipe", None, *s) for s in leaf_specs]
+            specs[key] = jax.tree.unflatten(tree, leaf_specs)
+        model_axes = set().union(_axes_of(input_spec), *map(_axes_of, jax.tree.leaves(specs))) - {"pipe"}
+        unknown = model_axes - set(mesh.axis_names)
+        if unknown or set(batch) & model_axes:
+            raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
+                             f"{mesh.axis_names} other than pipe and the batch axes {batch}")
+        manual = ("pipe",) + batch + tuple(a for a in mesh.axis_names if a in model_axes and mesh.shape[a] > 1)
+        return cls(mesh, specs, P(None, batch if batch else None, *input_spec), manual)
+
+    def call(self, body, params, inputs, out_specs):
+        in_specs = (self.specs["first"], self.specs["stages"], self.specs["last"], self.batch_spec)
+        args = (params["first"], params["stages"], params["last"], inputs)
+        args = tuple(_place(a, self.mesh, s) for a, s in zip(args, in_specs))
+        run = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, axis_names=set(self.manual),
+                            out_specs=out_specs)
+        return run(*args)
+
+
+def _cast(a, axes):
+    """`a` varying over `axes` as well."""
+    missing = tuple(x for x in axes if x not in _vma(a))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _zeros(a, dtype=None, axes=None):
+    """Zeros like `a`, varying over `axes` (default: as `a` is)."""
+    axes = tuple(_vma(a)) if axes is None else axes
+    return _cast(jnp.zeros(a.shape, dtype or a.dtype), axes)
+
+
+def _write(buf, i, value):
+    """buf[i] = value where i >= 0; in place, outside any switch branch."""
+    j = jnp.maximum(i, 0)
+    old = jax.lax.dynamic_index_in_dim(buf, j, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i >= 0, value, old), j, 0)
+
+
+def _add_chunk(acc, c, d):
+    def one(a, b):
+        cur = jax.lax.dynamic_index_in_dim(a, c, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(a, cur + b, c, 0)
+    return jax.tree.map(one, acc, d)
+
+
+class _Trace:
+    """The executor's body as traced on one rank inside the shard_map, in four parts: the probe (what a
+    chunk's pullback holds), the switch branches (one per kind of action), the tick (one scan step), and
+    the reduction of the results over the manual axes after the loop.
+
+    Every weight is cast to varying over all manual axes before any vjp, so no transpose inserts a
+    collective inside the loop. With `forward_only` the branches run forwards and the loss only.
+    """
+
+    def __init__(self, fns, manual, remat, first_p, stage_p, last_p, inputs, forward_only=False):
+        self.first_fn, self.stage_fn, self.last_fn = fns
+        self.manual, self.remat, self.forward_only = manual, remat, forward_only
+        self.first_p, self.last_p = self.vary(first_p), self.vary(last_p)
+        self.stage_p = self.vary(jax.tree.map(lambda a: a[0], stage_p))  # [v, ...]
         # Inputs vary over `pipe` too (so that whatever the stages derive from them counts as per-microbatch,
-        # see the probe) but stay invariant over the model axes: they are the same on those ranks, which
+        # see `probe`) but stay invariant over the model axes: they are the same on those ranks, which
         # keeps, e.g., a vocabulary-parallel loss invariant over `tensor`.
-        inputs = jax.tree.map(lambda a: cast(a, ("pipe",)), inputs)
-
-        def mb_inputs(i):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), inputs)
-
-        def chunk(c):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), stage_p)
-
-        def vjp_chunk(w, x, mb):
-            return jax.vjp(lambda w, x: stage_fn(w, x, mb), w, x)
-
-        # Probe one chunk's pullback to learn its treedef and which leaves are real residuals (to store),
-        # which are the weights or microbatch inputs (refetched in the backward), and which are constants.
-        mb0, w0 = mb_inputs(0), chunk(0)
-        x0 = first_fn(first_p, mb0)
-        if remat:
-            res_avals = [x0]
-        else:
-            _, probe = vjp_chunk(w0, x0, mb0)
-            probe_leaves, treedef = jax.tree.flatten(probe)
-            w_leaves, mb_leaves = jax.tree.leaves(w0), jax.tree.leaves(mb0)
-            roles = []  # per pullback leaf: ("w", i) | ("mb", i) | ("const", leaf) | ("res", i)
-            for leaf in probe_leaves:
-                if any(leaf is a for a in w_leaves):
-                    roles.append(("w", next(i for i, a in enumerate(w_leaves) if leaf is a)))
-                elif any(leaf is a for a in mb_leaves):
-                    roles.append(("mb", next(i for i, a in enumerate(mb_leaves) if leaf is a)))
-                elif "pipe" not in _vma(leaf):  # derived from neither the weights nor the inputs
-                    roles.append(("const", leaf))
-                else:
-                    roles.append(("res", sum(r == "res" for r, _ in roles)))
-            res_avals = [leaf for (r, _), leaf in zip(roles, probe_leaves) if r == "res"]
+        self.inputs = jax.tree.map(lambda a: _cast(a, ("pipe",)), inputs)
+        self.mb0, self.w0 = self.mb_inputs(0), self.chunk(0)
+        self.x0 = self.first_fn(self.first_p, self.mb0)
+        self.res_avals, self.roles, self.treedef = [], [], None
         # The loss is summed over `pipe` and over the manual axes last_fn's value varies over.
-        loss_vma = _vma(last_fn(last_p, x0, mb0))  # a probe: only its type is used
-        loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
+        loss_vma = _vma(self.last_fn(self.last_p, self.x0, self.mb0))  # a probe: only its type is used
+        self.loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
 
-        def forward(c, x, mb):  # -> (y, residual leaves to store)
-            if remat:
-                return stage_fn(chunk(c), x, mb), (x,)
-            w = chunk(c)
-            y, pb = vjp_chunk(w, x, mb)
-            leaves, refs = jax.tree.leaves(pb), {"w": jax.tree.leaves(w), "mb": jax.tree.leaves(mb)}
-            if len(leaves) != len(roles) or any(r in refs and a is not refs[r][i]
-                                                for (r, i), a in zip(roles, leaves)):
-                raise RuntimeError("stage_fn's pullback changed structure between traces; stage_fn must not "
-                                   "branch in Python on the values of its inputs")
-            return y, tuple(a for (r, _), a in zip(roles, leaves) if r == "res")
+    def vary(self, tree):  # varying over every manual axis, so that no vjp transpose inserts a psum
+        return jax.tree.map(lambda a: _cast(a, self.manual), tree)
 
-        def pullback(c, slot, mb, slots):
-            if remat:
-                return vjp_chunk(chunk(c), slots[0][slot], mb)[1]
-            w_leaves, mb_leaves = jax.tree.leaves(chunk(c)), jax.tree.leaves(mb)
-            leaves = [w_leaves[i] if r == "w" else mb_leaves[i] if r == "mb" else i if r == "const" else
-                      slots[i][slot] for r, i in roles]
-            return jax.tree.unflatten(treedef, leaves)
+    def mb_inputs(self, i):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), self.inputs)
 
+    def chunk(self, c):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), self.stage_p)
+
+    def vjp_chunk(self, w, x, mb):
+        return jax.vjp(lambda w, x: self.stage_fn(w, x, mb), w, x)
+
+    # --- the probe ------------------------------------------------------------------------------------
+
+    def probe(self):
+        """Traces one chunk's pullback to learn its treedef and which leaves are real residuals (to store),
+        which are the weights or microbatch inputs (refetched in the backward), and which are constants."""
+        if self.remat:
+            self.res_avals = [self.x0]
+            return
+        _, probe = self.vjp_chunk(self.w0, self.x0, self.mb0)
+        probe_leaves, self.treedef = jax.tree.flatten(probe)
+        w_leaves, mb_leaves = jax.tree.leaves(self.w0), jax.tree.leaves(self.mb0)
+        roles = []  # per pullback leaf: ("w", i) | ("mb", i) | ("const", leaf) | ("res", i)
+        for leaf in probe_leaves:
+            if any(leaf is a for a in w_leaves):
+                roles.append(("w", next(i for i, a in enumerate(w_leaves) if leaf is a)))
+            elif any(leaf is a for a in mb_leaves):
+                roles.append(("mb", next(i for i, a in enumerate(mb_leaves) if leaf is a)))
+            elif "pipe" not in _vma(leaf):  # derived from neither the weights nor the inputs
+                roles.append(("const", leaf))
+            else:
+                roles.append(("res", sum(r == "res" for r, _ in roles)))
+        self.roles = roles
+        self.res_avals = [leaf for (r, _), leaf in zip(roles, probe_leaves) if r == "res"]
+
+    def forward(self, c, x, mb):
+        """-> (y, residual leaves to store)."""
+        if self.forward_only:
+            return self.stage_fn(self.chunk(c), x, mb), ()
+        if self.remat:
+            return self.stage_fn(self.chunk(c), x, mb), (x,)
+        w = self.chunk(c)
+        y, pb = self.vjp_chunk(w, x, mb)
+        leaves, refs = jax.tree.leaves(pb), {"w": jax.tree.leaves(w), "mb": jax.tree.leaves(mb)}
+        if len(leaves) != len(self.roles) or any(r in refs and a is not refs[r][i]
+                                                 for (r, i), a in zip(self.roles, leaves)):
+            raise RuntimeError("stage_fn's pullback changed structure between traces; stage_fn must not "
+                               "branch in Python on the values of its inputs")
+        return y, tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res")
+
+    def pullback(self, c, slot, mb, slots):
+        if self.remat:
+            return self.vjp_chunk(self.chunk(c), slots[0][slot], mb)[1]
+        w_leaves, mb_leaves = jax.tree.leaves(self.chunk(c)), jax.tree.leaves(mb)
+        leaves = [w_leaves[i] if r == "w" else mb_leaves[i] if r == "mb" else i if r == "const" else
+                  slots[i][slot] for r, i in self.roles]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    # --- the branches ---------------------------------------------------------------------------------
+
+    def out(self, msg=None, res=None, dw=None, dfirst=None, dlast=None, loss=None):
+        """What one tick produced: (message to send (an activation or an input cotangent, shaped like x),
+        residuals to store, (dW of the chunk, d first, d last) in fp32, loss), zeros where it produced
+        nothing. The carry is updated outside the switch, so that XLA updates the buffers in place instead
+        of copying them through the conditional."""
         f32 = jnp.float32
 
-        def zeros(a, dtype=None, axes=None):  # zeros like `a`, varying over `axes` (default: as `a` is)
-            axes = tuple(_vma(a)) if axes is None else axes
-            return cast(jnp.zeros(a.shape, dtype or a.dtype), axes)
+        def f32_or_zeros(grad, like):
+            return jax.tree.map(lambda a: _zeros(a, f32), like) if grad is None else \
+                jax.tree.map(lambda g: g.astype(f32), grad)
+        grads = () if self.forward_only else (
+            f32_or_zeros(dw, self.w0), f32_or_zeros(dfirst, self.first_p), f32_or_zeros(dlast, self.last_p))
+        return (_zeros(self.x0) if msg is None else msg.astype(self.x0.dtype),
+                tuple(_zeros(a) for a in self.res_avals) if res is None else res, grads,
+                _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes) if loss is None else
+                _cast(loss.astype(f32), self.loss_axes))
 
-        def add(acc, d):
-            return jax.tree.map(jnp.add, acc, d)
-
-        def add_chunk(acc, c, d):
-            def one(a, b):
-                cur = jax.lax.dynamic_index_in_dim(a, c, keepdims=False)
-                return jax.lax.dynamic_update_index_in_dim(a, cur + b, c, 0)
-            return jax.tree.map(one, acc, d)
-
-        def write(buf, i, value):  # buf[i] = value where i >= 0; in place, outside any switch branch
-            j = jnp.maximum(i, 0)
-            old = jax.lax.dynamic_index_in_dim(buf, j, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i >= 0, value, old), j, 0)
-
-        # Each branch reads the slots and the inbox and returns what the tick produced: (message to send
-        # (an activation or an input cotangent, shaped like x), residuals to store, dW of the chunk,
-        # d first, d last, loss), zeros where it produced nothing. The carry is updated outside the switch,
-        # so that XLA updates the buffers in place instead of copying them through the conditional.
-        def out(msg=None, res=None, dw=None, dfirst=None, dlast=None, loss=None):
-            def f32_or_zeros(grad, like):
-                return jax.tree.map(lambda a: zeros(a, f32), like) if grad is None else \
-                    jax.tree.map(lambda g: g.astype(f32), grad)
-            return (zeros(x0) if msg is None else msg.astype(x0.dtype),
-                    tuple(zeros(a) for a in res_avals) if res is None else res,
-                    f32_or_zeros(dw, w0), f32_or_zeros(dfirst, first_p), f32_or_zeros(dlast, last_p),
-                    zeros(jax.ShapeDtypeStruct((), f32), axes=loss_axes) if loss is None else
-                    cast(loss.astype(f32), loss_axes))
-
+    def branches(self, prog: Program):
+        """The switch branches `prog` uses, each `(slots, inbox, instruction) -> out(...)`."""
         def idle(slots, inbox, ins):
-            return out()
+            return self.out()
 
         def fwd(slots, inbox, ins):
-            y, res = forward(ins[_CHUNK], inbox[ins[_IN]], mb_inputs(ins[_MB]))
-            return out(msg=y, res=res)
+            y, res = self.forward(ins[_CHUNK], inbox[ins[_IN]], self.mb_inputs(ins[_MB]))
+            return self.out(msg=y, res=res)
 
         def fwd_first(slots, inbox, ins):
-            mb = mb_inputs(ins[_MB])
-            y, res = forward(ins[_CHUNK], first_fn(first_p, mb), mb)
-            return out(msg=y, res=res)
+            mb = self.mb_inputs(ins[_MB])
+            y, res = self.forward(ins[_CHUNK], self.first_fn(self.first_p, mb), mb)
+            return self.out(msg=y, res=res)
 
         def fwd_last(slots, inbox, ins):
-            mb = mb_inputs(ins[_MB])
-            y, res = forward(ins[_CHUNK], inbox[ins[_IN]], mb)
-            l, pb = jax.vjp(lambda lp, y: last_fn(lp, y, mb), last_p, y)
+            mb = self.mb_inputs(ins[_MB])
+            y, res = self.forward(ins[_CHUNK], inbox[ins[_IN]], mb)
+            if self.forward_only:
+                return self.out(loss=self.last_fn(self.last_p, y, mb))
+            l, pb = jax.vjp(lambda lp, y: self.last_fn(lp, y, mb), self.last_p, y)
             dlast, dy = pb(jnp.ones_like(l))
-            return out(msg=dy, res=res, dlast=dlast, loss=l)
+            return self.out(msg=dy, res=res, dlast=dlast, loss=l)
 
         def bwd(slots, inbox, ins, need_dx, need_dw, first):
-            mb = mb_inputs(ins[_MB])
-            dw, dx = pullback(ins[_CHUNK], ins[_SLOT], mb, slots)(inbox[ins[_IN]])
+            mb = self.mb_inputs(ins[_MB])
+            dw, dx = self.pullback(ins[_CHUNK], ins[_SLOT], mb, slots)(inbox[ins[_IN]])
             dw = dw if need_dw else None
             if need_dx and first:
-                return out(dw=dw, dfirst=jax.vjp(lambda fp: first_fn(fp, mb), first_p)[1](dx)[0])
-            return out(msg=dx if need_dx else None, dw=dw)
+                return self.out(dw=dw, dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), self.first_p)[1](dx)[0])
+            return self.out(msg=dx if need_dx else None, dw=dw)
 
         impls = {
             _IDLE: idle, _F: fwd, _F_FIRST: fwd_first, _F_LAST: fwd_last,
@@ -402,43 +362,57 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
             _W: lambda *a: bwd(*a, False, True, False), _BW: lambda *a: bwd(*a, True, True, False),
             _BW_FIRST: lambda *a: bwd(*a, True, True, True),
         }
-        branches = [impls[b] for b in prog.branches]
-        stores = np.isin(np.array(prog.branches), (_F, _F_FIRST, _F_LAST))
+        return [impls[b] for b in prog.branches]
 
-        def tick(carry, code_t):  # code_t: [p, fields]
-            slots, inbox, gw, gf, gl, loss = carry
+    # --- the tick and the loop ------------------------------------------------------------------------
+
+    def tick(self, prog: Program):
+        """One scan step: every rank switches on its own instruction, then the messages move."""
+        branches, rank = self.branches(prog), jax.lax.axis_index("pipe")
+        stores = jnp.asarray(np.isin(np.array(prog.branches), (_F, _F_FIRST, _F_LAST)))
+
+        def step(carry, code_t):  # code_t: [p, fields]
+            slots, inbox, grads, loss = carry
             ins = code_t[rank]
-            msg, res, dw, dfirst, dlast, dloss = jax.lax.switch(ins[_BRANCH], branches, slots, inbox, ins)
-            slot = jnp.where(jnp.asarray(stores)[ins[_BRANCH]], ins[_SLOT], -1)
-            slots = tuple(write(buf, slot, r) for buf, r in zip(slots, res))
-            gw, gf, gl = add_chunk(gw, ins[_CHUNK], dw), add(gf, dfirst), add(gl, dlast)
-            inbox = write(inbox, ins[_LOCAL], msg)
+            msg, res, dgrads, dloss = jax.lax.switch(ins[_BRANCH], branches, slots, inbox, ins)
+            slot = jnp.where(stores[ins[_BRANCH]], ins[_SLOT], -1)
+            slots = tuple(_write(buf, slot, r) for buf, r in zip(slots, res))
+            if grads:
+                (gw, gf, gl), (dw, df, dl) = grads, dgrads
+                grads = (_add_chunk(gw, ins[_CHUNK], dw), jax.tree.map(jnp.add, gf, df),
+                         jax.tree.map(jnp.add, gl, dl))
+            inbox = _write(inbox, ins[_LOCAL], msg)
             if prog.up_perm:
-                inbox = write(inbox, ins[_FROM_UP], jax.lax.ppermute(msg, "pipe", prog.up_perm))
+                inbox = _write(inbox, ins[_FROM_UP], jax.lax.ppermute(msg, "pipe", prog.up_perm))
             if prog.down_perm:
-                inbox = write(inbox, ins[_FROM_DOWN], jax.lax.ppermute(msg, "pipe", prog.down_perm))
-            return (slots, inbox, gw, gf, gl, loss + dloss), None
+                inbox = _write(inbox, ins[_FROM_DOWN], jax.lax.ppermute(msg, "pipe", prog.down_perm))
+            return (slots, inbox, grads, loss + dloss), None
+        return step
 
-        slots = tuple(zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a))
-                      for a in res_avals)
-        inbox = zeros(jax.ShapeDtypeStruct((prog.inbox_size, *x0.shape), x0.dtype), axes=_vma(x0))
-        acc = jax.tree.map(lambda a: zeros(a, f32), (stage_p, first_p, last_p))
-        carry = (slots, inbox, *acc, zeros(jax.ShapeDtypeStruct((), f32), axes=loss_axes))
-        (_, _, gw, gf, gl, loss), _ = jax.lax.scan(tick, carry, jnp.asarray(prog.code))
-        # Reduce once, after the loop, each leaf over the manual axes it is replicated over: the batch
-        # shards (and model axes such as `seq`) hold partial sums, and only the ranks holding stage 0 / the
-        # last stage contributed to the first / last grads and the loss. One psum per distinct axis set.
-        grads = {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl}
+    def run(self, prog: Program):
+        """Runs every tick of `prog`; returns this rank's (loss, (dW, d first, d last)) before reduction."""
+        f32 = jnp.float32
+        slots = tuple(_zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a))
+                      for a in self.res_avals)
+        inbox = _zeros(jax.ShapeDtypeStruct((prog.inbox_size, *self.x0.shape), self.x0.dtype), axes=_vma(self.x0))
+        grads = () if self.forward_only else \
+            jax.tree.map(lambda a: _zeros(a, f32), (self.stage_p, self.first_p, self.last_p))
+        carry = (slots, inbox, grads, _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes))
+        (_, _, grads, loss), _ = jax.lax.scan(self.tick(prog), carry, jnp.asarray(prog.code))
+        return loss, grads
+
+    # --- the reduction --------------------------------------------------------------------------------
+
+    def reduce(self, loss, grads, specs):
+        """Sums once, after the loop, the loss and each gradient leaf over the manual axes it is replicated
+        over: the batch shards (and model axes such as `seq`) hold partial sums, and only the ranks holding
+        stage 0 / the last stage contributed to the first / last grads and the loss. One psum per distinct
+        axis set."""
         leaves, tree = jax.tree.flatten((loss, grads))
-        axes = [loss_axes] + [tuple(a for a in manual if a not in _axes_of(s)) for s in jax.tree.leaves(specs)]
+        axes = [self.loss_axes] + [tuple(a for a in self.manual if a not in _axes_of(s))
+                                   for s in jax.tree.leaves(specs)]
         for group in dict.fromkeys(a for a in axes if a):
             idx = [i for i, a in enumerate(axes) if a == group]
             for i, r in zip(idx, jax.lax.psum([leaves[i] for i in idx], group)):
                 leaves[i] = r
         return jax.tree.unflatten(tree, leaves)
-
-    in_specs = (specs["first"], specs["stages"], specs["last"], batch_spec)
-    args = (params["first"], params["stages"], params["last"], inputs)
-    args = tuple(_place(a, mesh, s) for a, s in zip(args, in_specs))
-    run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, axis_names=set(manual), out_specs=(P(), specs))
-    return run(*args)

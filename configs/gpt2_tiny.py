@@ -1,0 +1,15 @@
+"""Tiny GPT-2 on synthetic data, for tests: runs in seconds on CPU.
+
+    python launch/train.py --config=configs/gpt2_tiny.py --workdir=/tmp/gpt2_tiny --cpu_devices=8
+"""
+
+from parallax.defaults import default_config
+
+
+def get_config():
+    config = default_config(model="gpt2")
+    config.model.update(num_layers=2, d_model=32, num_heads=4, d_ff=128, vocab_size=64, max_positions=64)
+    config.train.update(steps=10, global_batch_size=16, seq_len=32, log_every=1, eval_every=5,
+                        checkpoint_every=5)
+    config.data.source = "synthetic"
+    return config

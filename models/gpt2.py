@@ -1,0 +1,146 @@
+"""A GPT-2 style decoder in Flax NNX: LayerNorm with bias, learned positions, GELU MLP, multi-head attention,
+tied input / output embeddings.
+
+Built on the parallax model contract (`parallax.model`) alone: parallax has no GPT-2 code. Like every
+parallax model it stores its blocks stacked (leading `layers` dim) and runs the same code on every mesh;
+under tensor / sequence parallelism it runs per rank and `par` adds the collectives (the residual stream
+is [B, T/(s*t), D], weights hold H/t heads, F/t hidden units and V/t vocabulary rows).
+
+Positions are per document (`batch['positions']`), so packed documents each start at position 0.
+
+There is no key bias: a bias added to every key adds the same q.b to all of a query's scores, which the
+softmax cancels, so it never changes the output and its gradient is identically zero. (GPT-2 checkpoints
+carry one inside `c_attn`; importing drops it without changing a logit.)
+
+Shapes: B batch, T length, D d_model, H heads, Dh head_dim, F d_ff, V vocab, P max_positions, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallax.config import ConfigError
+from parallax.model import DENSE, Model, Parallelism, constrain
+from parallax.parallel.sequence import check_sequence_parallel
+
+
+def layer_norm(x, scale, bias, eps):
+    """LayerNorm over the last dim in fp32, returned in x's dtype. x: [..., D]; scale, bias: [D]."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+
+def _normal(rngs, shape, logical, std):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), logical=logical)
+
+
+def _const(value, shape, logical):
+    return nnx.Param(jnp.full(shape, value, jnp.float32), logical=logical)
+
+
+class Blocks(nnx.Module):
+    """The stacked parameters of all transformer blocks; `layer` runs one block on a one-layer slice."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        L, D, H, F = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.d_ff
+        Dh, std = D // H, cfg.init_std
+        out_std = std / math.sqrt(2 * L)  # GPT-2's scaled init of the projections into the residual stream
+        self.eps, self.dtype = cfg.norm_eps, jnp.dtype(cfg.dtype)
+        self.ln1_scale = _const(1.0, (L, D), ("layers", "norm"))
+        self.ln1_bias = _const(0.0, (L, D), ("layers", "norm"))
+        self.wq = _normal(rngs, (L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), std)
+        self.wk = _normal(rngs, (L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), std)
+        self.wv = _normal(rngs, (L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), std)
+        self.bq = _const(0.0, (L, H, Dh), ("layers", "heads", "head_dim"))
+        self.bv = _const(0.0, (L, H, Dh), ("layers", "heads", "head_dim"))
+        self.wo = _normal(rngs, (L, H, Dh, D), ("layers", "heads", "head_dim", "embed"), out_std)
+        self.bo = _const(0.0, (L, D), ("layers", "bias"))
+        self.ln2_scale = _const(1.0, (L, D), ("layers", "norm"))
+        self.ln2_bias = _const(0.0, (L, D), ("layers", "norm"))
+        self.w_fc = _normal(rngs, (L, D, F), ("layers", "embed", "mlp"), std)
+        self.b_fc = _const(0.0, (L, F), ("layers", "mlp"))
+        self.w_proj = _normal(rngs, (L, F, D), ("layers", "mlp", "embed"), out_std)
+        self.b_proj = _const(0.0, (L, D), ("layers", "bias"))
+
+    def layer(self, x, batch, par: Parallelism = DENSE):
+        """One pre-LayerNorm block. x: [B, T, D] (this rank's [B, T/(s*t), D] under par)."""
+        w, dt = par.weight, self.dtype
+
+        def project(h, weight, bias=None):  # (B, T, D) x (D, H, Dh) + (H, Dh) -> (B, T, H, Dh)
+            y = jnp.einsum("btd,dhk->bthk", h, w(weight).astype(dt))
+            return y if bias is None else y + w(bias).astype(dt)
+
+        h = par.gather_seq(layer_norm(x, w(self.ln1_scale), w(self.ln1_bias), self.eps))  # (B, T, D)
+        q = constrain(project(h, self.wq, self.bq), ("batch", "length", "act_heads", None))
+        k = constrain(project(h, self.wk), ("batch", "length", "act_heads", None))
+        v = project(h, self.wv, self.bv)
+        a = par.attention(q, k, v, batch["segment_ids"], batch["positions"])  # (B, T, H, Dh)
+        out = par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, w(self.wo).astype(dt)))  # row-parallel partial sums
+        x = constrain(x + out + w(self.bo).astype(dt), ("batch", "length", "act_embed"))
+        h = par.gather_seq(layer_norm(x, w(self.ln2_scale), w(self.ln2_bias), self.eps))  # (B, T, D)
+        f = jnp.einsum("btd,df->btf", h, w(self.w_fc).astype(dt)) + w(self.b_fc).astype(dt)  # (B, T, F)
+        f = constrain(jax.nn.gelu(f, approximate=True), ("batch", "length", "act_mlp"))
+        out = par.scatter_seq(jnp.einsum("btf,fd->btd", f, w(self.w_proj).astype(dt)))
+        return constrain(x + out + w(self.b_proj).astype(dt), ("batch", "length", "act_embed"))
+
+
+class GPT2(Model):
+    """Decoder-only LM with learned positions and a head tied to the token embedding."""
+
+    parallel_axes = ("tensor", "seq")
+    rules = {"positions": None, "bias": None}  # rows of the position table; [D] biases (replicated)
+
+    @staticmethod
+    def config_defaults() -> dict:
+        return dict(d_model=64, num_heads=4, d_ff=256, max_positions=1024, norm_eps=1e-5, init_std=0.02)
+
+    @staticmethod
+    def check_config(m, sizes, config) -> None:
+        for key in ("d_model", "num_heads", "d_ff", "max_positions"):
+            if int(m[key]) <= 0:
+                raise ConfigError(f"config.model.{key}={m[key]}: must be positive")
+        if m.d_model % m.num_heads:
+            raise ConfigError(f"config.model.d_model={m.d_model}: not divisible by num_heads={m.num_heads}; "
+                              f"make d_model a multiple of num_heads")
+        if config.train.seq_len > m.max_positions:
+            raise ConfigError(f"config.train.seq_len={config.train.seq_len}: longer than the learned positions "
+                              f"(model.max_positions={m.max_positions}); raise max_positions or shorten seq_len")
+        tp = sizes["tensor"]
+        for key in ("num_heads", "vocab_size", "d_ff"):
+            if m[key] % tp:
+                raise ConfigError(f"config.model.{key}={m[key]}: not divisible by mesh.tensor={tp}; "
+                                  f"use a tensor size that divides it")
+        try:
+            check_sequence_parallel(m.attention, sizes["seq"], m.num_heads // tp, m.num_heads // tp,
+                                    config.train.seq_len)
+        except ValueError as e:
+            raise ConfigError(f"config.model.attention={m.attention!r}, mesh.seq={sizes['seq']} "
+                              f"({m.num_heads // tp} heads per tensor rank): {e}") from None
+
+    def __init__(self, config, rngs: nnx.Rngs):
+        D, std = config.d_model, config.init_std
+        self.dtype, self.eps = jnp.dtype(config.dtype), config.norm_eps
+        self.wte = _normal(rngs, (config.vocab_size, D), ("vocab", "embed"), std)
+        self.wpe = _normal(rngs, (config.max_positions, D), ("positions", "embed"), 0.01)
+        self.blocks = Blocks(config, rngs)
+        self.lnf_scale = _const(1.0, (D,), ("norm",))
+        self.lnf_bias = _const(0.0, (D,), ("norm",))
+
+    def embed(self, batch, par: Parallelism = DENSE):
+        """Token + position embeddings: [B, T] -> [B, T, D] (this rank's [B, T/(s*t), D] under par)."""
+        x = par.embed(self.wte, batch["inputs"], self.dtype)
+        pos = jnp.take(par.weight(self.wpe), batch["positions"], axis=0).astype(self.dtype)  # (B, T/s, D)
+        return constrain(x + par.split_seq(pos), ("batch", "length", "act_embed"))
+
+    def logits(self, x, par: Parallelism = DENSE):
+        """Final LayerNorm and the tied head: x [B, T, D] -> logits [B, T, V] fp32 ([B, T/s, V/t] under par)."""
+        h = par.gather_seq(layer_norm(x, par.weight(self.lnf_scale), par.weight(self.lnf_bias), self.eps))
+        table = par.weight(self.wte)  # (V, D)
+        logits = jnp.einsum("btd,vd->btv", h, table.astype(h.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "act_vocab"))

@@ -1,0 +1,185 @@
+"""The model contract: what parallax needs from a model, and the generic code that runs one.
+
+parallax knows no model by name. The trainer, the pipeline, eval, sampling and `shape_check` reach a model
+only through this contract, so a model of your own trains on every layout without changing the library.
+A model is a Flax NNX module that subclasses `Model` and has four parts:
+
+1. **Parameters with logical axis names**: every `nnx.Param` carries `logical=(name per dim)`, e.g.
+   `("embed", "mlp")`. The rules table (`parallax.sharding`) maps the names onto mesh axes.
+2. **An embedding part**: `embed(batch, par) -> x`, the residual stream entering the first block.
+3. **A stack of identical blocks**: the attribute `blocks`, an `nnx.Module` whose parameters all have a
+   leading `layers` dimension (stacked weights), and whose method `layer(x, batch, par) -> x` runs one
+   block on a one-layer slice of them. parallax runs the stack with one `lax.scan` (`apply_blocks`) and
+   cuts it into pipeline stages.
+4. **A head and loss part**: `logits(x, par)`, and `loss(x, batch, par)`, the weighted loss summed over
+   this rank's tokens (default: cross-entropy of `logits` via `par.cross_entropy`).
+
+`batch` is a dict of [B, T] arrays: `inputs`, `targets`, `weights` (0 for padding), `segment_ids` (packed
+documents) and `positions` (within each document).
+
+Class-level hooks: `config_defaults()` (the model's own `config.model` keys and defaults),
+`check_config(model_config, sizes, config)` (model-specific checks; raise `ConfigError`), `parallel_axes`
+(the explicit axes the model implements, of "tensor" and "seq") and `rules` (defaults for logical names
+the model adds to the rules table).
+
+**The parallel surface** is one object, `par` (a `Parallelism`). A model that declares no
+`parallel_axes` gets `DENSE` and can ignore it: parallax still runs it data-parallel, FSDP and pipelined,
+by sharding its annotated weights and activations with the compiler. A model that declares "tensor"
+and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its parallel points:
+
+    par.weight(var)                   the parameter as this rank uses it (FSDP shards gathered)
+    par.embed(table_param, tokens, dtype)   (vocabulary-parallel) embedding lookup of an nnx.Param table
+    par.gather_seq(x), par.scatter_seq(y), par.split_seq(x)   sequence-parallel boundaries over `tensor`
+    par.attention(q, k, v, segment_ids, positions)            dense, Ulysses or ring attention
+    par.cross_entropy(logits, batch)  (vocabulary-parallel) weighted cross-entropy sum
+    par.tensor, par.seq               the axis sizes
+
+`sharding.constrain(x, names)` annotates activations for the compiler (a no-op inside the manual region).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+import jax
+import ml_collections
+from flax import nnx
+
+from parallax.config import ConfigError
+from parallax.parallel.manual import DENSE, Parallelism
+from parallax.sharding import constrain
+
+__all__ = ["Model", "Parallelism", "DENSE", "constrain", "model_class", "apply_blocks", "forward", "loss_sum",
+           "GENERIC_KEYS", "EXPLICIT_AXES"]
+
+# `config.model` keys parallax itself reads; everything else in `config.model` belongs to the model.
+GENERIC_KEYS = {
+    "name": "",  # an entry point of group `parallax.models`, `package.module:Class`, or `file.py:Class`
+    "num_layers": 2,  # the number of stacked blocks (pipeline stages split it)
+    "vocab_size": 256,
+    "dtype": "float32",  # compute dtype: float32 or bfloat16 (parameters stay float32)
+    "remat": "none",  # none | full | dots: rematerialisation of each block in the backward
+    "attention": "dense",  # dense | ulysses | ring: attention over mesh.seq > 1
+}
+EXPLICIT_AXES = ("tensor", "seq")  # mesh axes that need the model's help (`parallel_axes`)
+
+ENTRY_POINT_GROUP = "parallax.models"
+
+
+class Model(nnx.Module):
+    """Base class of parallax models; see the module docstring for the contract.
+
+    `__init__(self, config, rngs)` gets the `config.model` section (a FrozenConfigDict) and `nnx.Rngs`.
+    """
+
+    parallel_axes: tuple[str, ...] = ()
+    rules: dict = {}
+
+    @staticmethod
+    def config_defaults() -> dict:
+        """The model's own `config.model` keys and their defaults (besides `GENERIC_KEYS`)."""
+        return {}
+
+    @staticmethod
+    def check_config(model_config, sizes: dict[str, int], config) -> None:
+        """Raises ConfigError (one line: key, value, fix) if the model cannot run with these mesh sizes."""
+
+    def embed(self, batch, par: Parallelism = DENSE):
+        raise NotImplementedError(f"{type(self).__name__} must define embed(batch, par)")
+
+    def logits(self, x, par: Parallelism = DENSE):
+        raise NotImplementedError(f"{type(self).__name__} must define logits(x, par)")
+
+    def loss(self, x, batch, par: Parallelism = DENSE):
+        """Weighted loss summed over this rank's tokens (not over the batch axes or `seq`)."""
+        return par.cross_entropy(self.logits(x, par), batch)
+
+
+_FILE_MODULES: dict[str, object] = {}
+
+
+def _import(module_name: str, where: str):
+    if module_name.endswith(".py"):
+        path = os.path.abspath(module_name)
+        if path not in _FILE_MODULES:  # load each file once: one class object per run
+            if not os.path.isfile(path):
+                raise ConfigError(f"{where}: no such file {path}")
+            spec = importlib.util.spec_from_file_location(f"parallax_user_model_{len(_FILE_MODULES)}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses and pickling look their module up there
+            spec.loader.exec_module(module)
+            _FILE_MODULES[path] = module
+        return _FILE_MODULES[path]
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{where}: cannot import module {module_name!r} ({e}); put it on PYTHONPATH or "
+                          f"name a file, e.g. path/to/my_model.py:MyModel") from None
+
+
+def model_class(name: str) -> type:
+    """The model class that `config.model.name` names: a registered name (entry point group
+    `parallax.models`, e.g. `llama`), `package.module:Class`, or `path/to/file.py:Class`."""
+    where = f"config.model.name={name!r}"
+    if ":" not in name:
+        found = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        if name not in found:
+            raise ConfigError(f"{where}: not a registered model (registered: {', '.join(sorted(found)) or 'none'}; "
+                              f"install the project with pip install -e . to register its models); or name "
+                              f"a class, e.g. my_package.my_model:MyModel or path/to/my_model.py:MyModel")
+        cls = found[name].load()
+    else:
+        module_name, _, attr = name.rpartition(":")
+        cls = getattr(_import(module_name, where), attr, None)
+        if cls is None:
+            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Model)):
+        raise ConfigError(f"{where}: {cls!r} is not a subclass of parallax.model.Model")
+    return cls
+
+
+def model_config_defaults(name: str) -> dict:
+    """Every `config.model` key of model `name` with its default: the generic keys, then the model's."""
+    return {**GENERIC_KEYS, "name": name, **model_class(name).config_defaults()}
+
+
+def frozen(model_config) -> ml_collections.FrozenConfigDict:
+    return ml_collections.FrozenConfigDict(model_config)
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+REMAT_CHOICES = ("none", *_REMAT_POLICIES)
+
+
+def apply_blocks(blocks_graphdef, stacked, x, batch, remat: str = "none", par: Parallelism = DENSE):
+    """Runs the blocks whose parameters are `stacked` (a pure dict, leading dim = layers) with one scan.
+
+    `blocks_graphdef` is `nnx.split(model.blocks)[0]`. Runs the whole stack, or one pipeline chunk of it.
+    """
+    def body(h, layer_params):
+        return nnx.merge(blocks_graphdef, layer_params).layer(h, batch, par), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, stacked)
+    return x
+
+
+def forward(model: Model, batch, remat: str = "none", par: Parallelism = DENSE):
+    """The residual stream after the last block: embed, then every block."""
+    graphdef, stacked = nnx.split(model.blocks)
+    x = model.embed(batch, par)
+    return apply_blocks(graphdef, nnx.to_pure_dict(stacked), x, batch, remat, par)
+
+
+def loss_sum(model: Model, batch, remat: str = "none", par: Parallelism = DENSE):
+    """Weighted loss summed over the batch's tokens (the caller divides by the weight total). Under `par`
+    (inside `shard_loss`) summed over the ranks holding other tokens, so every rank has the global sum."""
+    return par.sum_tokens(model.loss(forward(model, batch, remat, par), batch, par))

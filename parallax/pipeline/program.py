@@ -1,0 +1,155 @@
+"""Lowering a schedule for the executor: per-tick, per-rank integer instructions (numpy, ahead of time).
+
+`compile_schedule` turns a `Schedule` table into a `Program`: for each tick and rank, which switch branch
+to run, on which microbatch / local chunk / activation slot, which inbox entry holds its input, and into
+which inbox entries the messages that arrive this tick go. `parallax.pipeline.executor` runs it; the
+branch and field numbers below are the vocabulary the two modules share.
+"""
+import dataclasses
+
+import numpy as np
+
+from parallax.pipeline.schedule import B, BW, F, IDLE, W, Schedule
+
+# Branches of the per-tick switch. `_FIRST` variants hold stage 0 (they also run `first_fn` or its
+# pullback); `_F_LAST` holds the last stage (it also runs `last_fn` and its pullback, which seeds the
+# backward).
+_IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _W, _BW, _BW_FIRST = range(9)
+
+# Fields of one lowered instruction. Inbox indices are -1 where nothing is read or written.
+_BRANCH, _MB, _CHUNK, _SLOT, _IN, _LOCAL, _FROM_UP, _FROM_DOWN = range(8)
+_NUM_FIELDS = 8
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """A schedule lowered for the executor.
+
+    code: int32 [ticks, p, 8] instructions (fields `_BRANCH` .. `_FROM_DOWN`); `code[..., _BRANCH]`
+      indexes `branches`, the switch branches this schedule uses.
+    inbox_size: entries of the per-rank inbox that buffers activations and output cotangents from their
+      arrival until their last use (bounded by the schedule, not by the number of microbatches for
+      1F1B-like schedules).
+    num_slots: per-rank activation slots (residuals, or chunk inputs with remat).
+    up_perm / down_perm: `ppermute` pairs for messages to rank r+1 / r-1 (mod p); empty if unused.
+    """
+    code: np.ndarray
+    branches: tuple[int, ...]
+    inbox_size: int
+    num_slots: int
+    up_perm: tuple[tuple[int, int], ...]
+    down_perm: tuple[tuple[int, int], ...]
+
+    @property
+    def num_ticks(self) -> int:
+        return int(self.code.shape[0])
+
+
+def compile_schedule(schedule: Schedule, forward_only: bool = False) -> Program:
+    """Lowers `schedule` into executor instructions; raises ValueError if the executor cannot run it.
+
+    `forward_only` keeps only the F actions, in their order and places, and drops the ticks left idle on
+    every rank: the program of an evaluation (the last stage's F computes the loss and sends nothing).
+    """
+    s, table = schedule, schedule.table
+    if s.num_stages < 2:
+        raise ValueError(f"{s.name}: the pipeline executor needs at least 2 stages, got {s.num_stages}; "
+                         f"use pipe >= 2 or call jax.value_and_grad directly")
+    if forward_only:
+        table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
+        table = table[(table[..., 0] != IDLE).any(axis=1)]
+    msgs = _messages(s, table, forward_only)
+    entry, inbox_size = _inbox_entries(msgs, s.num_ranks)
+    code, up, down = _instructions(s, table, msgs, entry, forward_only)
+    branches = tuple(sorted(set(code[..., _BRANCH].ravel().tolist()) | {_IDLE}))
+    code[..., _BRANCH] = np.searchsorted(np.array(branches), code[..., _BRANCH])
+    return Program(code, branches, inbox_size, s.num_slots, tuple(sorted(up)), tuple(sorted(down)))
+
+
+def _messages(s: Schedule, table, forward_only):
+    """Every message of the schedule: key -> (producer rank, producer tick, consumer rank, last use tick).
+
+    ("x", mb, stage) is the input activation of F(mb, stage); ("g", mb, stage) is the output cotangent of
+    stage `stage`, read by its B / BW and again by its W."""
+    p, num_stages = s.num_ranks, s.num_stages
+    rank_of = {int(s.stage_of[r, c]): r for r in range(p) for c in range(s.num_chunks)}
+    f_at, g_at, w_at = {}, {}, {}  # (mb, stage) -> tick of F / of B or BW / of W
+    for t, r in np.argwhere(table[..., 0] != IDLE):
+        kind, mb, c, _ = (int(x) for x in table[t, r])
+        key = (mb, int(s.stage_of[r, c]))
+        {F: f_at, B: g_at, BW: g_at, W: w_at}[kind][key] = int(t)
+    msgs = {}
+    for (mb, stage), t in f_at.items():
+        if stage + 1 < num_stages:
+            key, use = ("x", mb, stage + 1), f_at.get((mb, stage + 1))
+        elif forward_only:  # the loss stays on the last stage's rank
+            continue
+        else:  # the last stage's F also computes the loss: it seeds the backward locally
+            key, use = ("g", mb, stage), g_at.get((mb, stage))
+        msgs[key] = (rank_of[stage], t, rank_of[key[2]], use)
+    for (mb, stage), t in g_at.items():
+        if stage > 0:
+            msgs[("g", mb, stage - 1)] = (rank_of[stage], t, rank_of[stage - 1], g_at.get((mb, stage - 1)))
+    for key, (src, t, dst, use) in msgs.items():
+        if key[0] == "g":
+            use = max(use if use is not None else -1, w_at.get(key[1:], -1))
+        if use is None or use <= t:
+            raise ValueError(f"{s.name}: {key} is produced at tick {t} but used at tick {use}; run "
+                             f"parallax.pipeline.schedule.validate on the schedule and fix what it reports")
+        if src != dst and dst not in ((src + 1) % p, (src - 1) % p):
+            raise ValueError(f"{s.name}: stage {key[2]} on rank {dst} takes input from rank {src}, which is "
+                             f"not a neighbour; place consecutive stages on neighbouring ranks")
+        msgs[key] = (src, t, dst, use)
+    return msgs
+
+
+def _inbox_entries(msgs, p):
+    """Inbox entry of each message on its consumer rank, and the inbox size: greedy interval colouring in
+    arrival order (optimal for intervals). An entry freed by a read at tick u can take a message that
+    arrives at the end of tick u."""
+    entry = {}
+    free_at = [[] for _ in range(p)]  # per rank: entry -> tick after which it is free
+    for key, (src, t, dst, use) in sorted(msgs.items(), key=lambda kv: (kv[1][1], kv[0])):
+        pool = free_at[dst]
+        i = next((i for i, f in enumerate(pool) if f <= t), len(pool))
+        if i == len(pool):
+            pool.append(0)
+        pool[i] = use
+        entry[key] = i
+    return entry, max(len(pool) for pool in free_at)
+
+
+def _instructions(s: Schedule, table, msgs, entry, forward_only):
+    """The int32 [ticks, p, fields] code (branch ids not yet compacted) and the ppermute pairs used."""
+    p, num_stages = s.num_ranks, s.num_stages
+    code = np.full((table.shape[0], p, _NUM_FIELDS), -1, np.int32)
+    code[..., _BRANCH] = _IDLE
+    code[..., _MB:_SLOT + 1] = 0
+    up, down = set(), set()
+    for t, r in np.argwhere(table[..., 0] != IDLE):
+        kind, mb, c, slot = (int(x) for x in table[t, r])
+        stage = int(s.stage_of[r, c])
+        first, last = stage == 0, stage == num_stages - 1
+        ins = code[t, r]
+        ins[_MB], ins[_CHUNK], ins[_SLOT] = mb, c, slot
+        if kind == F:
+            ins[_BRANCH] = _F_FIRST if first else _F_LAST if last else _F
+            if not first:
+                ins[_IN] = entry["x", mb, stage]
+            out = (None if forward_only else ("g", mb, stage)) if last else ("x", mb, stage + 1)
+        else:
+            ins[_BRANCH] = {B: (_B, _B_FIRST), W: (_W, _W), BW: (_BW, _BW_FIRST)}[kind][first]
+            ins[_IN] = entry["g", mb, stage]
+            out = ("g", mb, stage - 1) if kind != W and not first else None
+        if out is None:
+            continue
+        src, _, dst, _ = msgs[out]
+        if dst == src:
+            ins[_LOCAL] = entry[out]
+        elif dst == (src + 1) % p:
+            code[t, dst, _FROM_UP] = entry[out]
+            up.add((src, dst))
+        else:
+            code[t, dst, _FROM_DOWN] = entry[out]
+            down.add((src, dst))
+    return code, up, down

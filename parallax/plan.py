@@ -1,0 +1,248 @@
+"""The plan: a config resolved once, for a number of devices, into everything later steps read.
+
+`make_plan(config, num_devices)` runs every check (each a `ConfigError`: one line naming the key, the
+value and the fix), before anything is compiled, and returns a `Plan`: the mesh axis sizes, the sharding
+rules, the axes the batch is split over, the model class and its abstract parameters with their logical
+names, the parallel surface the model gets, and the validated pipeline schedule. The trainer, the loss
+paths, eval, sampling and `shape_check` read the plan; none of them looks at the config's checks again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallax import mesh as mesh_lib
+from parallax import model as model_lib
+from parallax import sharding
+from parallax.config import ConfigError
+from parallax.parallel.manual import DENSE, Parallelism
+from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, validate
+
+DTYPES = ("float32", "bfloat16")
+ATTENTION = ("dense", "ulysses", "ring")
+# Logical names that explicit tensor / sequence parallelism shards over its own axis.
+_EXPLICIT_RULES = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
+                   ("length", "seq"))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A checked config for a mesh of `sizes`. Build it with `make_plan`."""
+
+    config: object  # the ConfigDict it was made from
+    sizes: dict  # mesh axis -> size
+    rules: dict  # logical name -> mesh axes
+    batch_axes: tuple  # mesh axes (of size > 1) that split the batch
+    model_class: type
+    model_config: object  # FrozenConfigDict of config.model: what the model's __init__ gets
+    graphdef: object  # nnx graph of the model
+    abstract_params: dict  # pure dict of ShapeDtypeStructs
+    logical: dict  # the same tree of logical-name tuples
+    parallelism: Parallelism  # what the model's parallel points get: DENSE unless tensor / seq / pipe > 1
+    schedule: Schedule | None  # the pipeline schedule when sizes['pipe'] > 1
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ways the batch is split."""
+        return math.prod(self.sizes[a] for a in self.batch_axes)
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params))
+
+    @property
+    def remat(self) -> str:
+        return self.config.model.remat
+
+    def new_model(self, seed: int) -> model_lib.Model:
+        return self.model_class(self.model_config, nnx.Rngs(seed))
+
+    def make_mesh(self, devices) -> jax.sharding.Mesh:
+        return mesh_lib.make_mesh(self.sizes, devices)
+
+    def abstract_mesh(self) -> jax.sharding.AbstractMesh:
+        auto = (jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES)
+        return jax.sharding.AbstractMesh(tuple(self.sizes[a] for a in mesh_lib.AXES), mesh_lib.AXES,
+                                         axis_types=auto)
+
+
+def make_plan(config, num_devices: int) -> Plan:
+    """Checks `config` for `num_devices` devices and resolves it; raises ConfigError naming the fix."""
+    sizes = mesh_lib.resolve_axis_sizes(config.mesh, num_devices)
+    cls = model_lib.model_class(config.model.name)
+    _check_model_keys(config, cls)
+    _check_generic(config, sizes)
+    cls.check_config(config.model, sizes, config)
+    for axis in model_lib.EXPLICIT_AXES:
+        if sizes[axis] > 1 and axis not in cls.parallel_axes:
+            raise ConfigError(f"config.mesh.{axis}={sizes[axis]}: model {config.model.name!r} does not implement "
+                              f"{axis} parallelism (its parallel_axes: {cls.parallel_axes or 'none'}); set "
+                              f"mesh.{axis}=1 and use data, fsdp or pipe")
+    rules = _rules(config, cls)
+    batch_axes = tuple(a for a in sharding.spec_axes(rules["batch"]) if sizes[a] > 1)
+    _check_batch(config, math.prod(sizes[a] for a in batch_axes))
+    schedule = _pipeline_schedule(config, sizes, math.prod(sizes[a] for a in batch_axes))
+    model_config = model_lib.frozen(config.model)
+    abstract_model = nnx.eval_shape(lambda: cls(model_config, nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract_model)
+    try:
+        logical = sharding.param_logical_names(abstract_state)
+    except ValueError as e:
+        raise ConfigError(f"config.model.name={config.model.name!r}: {e}") from None
+    abstract_params = nnx.to_pure_dict(abstract_state)
+    _check_params(config, sizes, rules, abstract_params, logical)
+    _check_explicit_rules(sizes, rules, logical)
+    par = DENSE
+    if sizes["tensor"] > 1 or sizes["seq"] > 1 or schedule is not None:
+        par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], attention_kind=config.model.attention,
+                          mesh_shape=tuple(sizes.items()), rules=tuple(rules.items()))
+    return Plan(config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls,
+                model_config=model_config, graphdef=graphdef, abstract_params=abstract_params, logical=logical,
+                parallelism=par, schedule=schedule)
+
+
+def _check_model_keys(config, cls):
+    expected = set(model_lib.GENERIC_KEYS) | set(cls.config_defaults())
+    have = set(config.model.keys())
+    if have - expected:
+        key = sorted(have - expected)[0]
+        raise ConfigError(f"config.model.{key}: not a key of model {config.model.name!r} (its keys: "
+                          f"{', '.join(sorted(expected))}); start the config from "
+                          f"default_config(model={config.model.name!r})")
+    if expected - have:
+        key = sorted(expected - have)[0]
+        raise ConfigError(f"config.model.{key}: missing, and model {config.model.name!r} needs it; start the "
+                          f"config from default_config(model={config.model.name!r})")
+
+
+def _check_generic(config, sizes):
+    m, t, o = config.model, config.train, config.optim
+    for key in ("num_layers", "vocab_size"):
+        if int(m[key]) <= 0:
+            raise ConfigError(f"config.model.{key}={m[key]}: must be positive")
+    choices = (("dtype", DTYPES), ("remat", model_lib.REMAT_CHOICES), ("attention", ATTENTION))
+    for key, valid in choices:
+        if m[key] not in valid:
+            raise ConfigError(f"config.model.{key}={m[key]!r}: expected one of {', '.join(valid)}")
+    for key in ("steps", "global_batch_size", "seq_len", "log_every", "keep_checkpoints", "microbatches"):
+        if int(t[key]) <= 0:
+            raise ConfigError(f"config.train.{key}={t[key]}: must be >= 1")
+    for key in ("eval_every", "checkpoint_every"):
+        if int(t[key]) < 0:
+            raise ConfigError(f"config.train.{key}={t[key]}: must be >= 0 (0 turns it off)")
+    if t.eval_every and t.eval_batches <= 0:
+        raise ConfigError(f"config.train.eval_batches={t.eval_batches}: must be >= 1 when eval_every > 0")
+    if t.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
+    if o.lr < 0 or o.warmup_steps < 0 or o.decay_steps < 0 or o.weight_decay < 0 or o.clip_norm < 0:
+        raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
+                          f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")
+    sp, tp = sizes["seq"], sizes["tensor"]
+    if sp > 1 and m.attention == "dense":
+        raise ConfigError(f"config.model.attention='dense' with mesh.seq={sp}: set attention to 'ulysses' or "
+                          f"'ring', or set mesh.seq=1")
+    if m.attention == "ring" and t.seq_len % (2 * sp):
+        raise ConfigError(f"config.train.seq_len={t.seq_len}: ring: seq_len={t.seq_len} is not divisible by "
+                          f"2*seq={2 * sp} (zigzag layout): use a seq_len that is a multiple of {2 * sp}")
+    if t.seq_len % (sp * tp):
+        raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq*mesh.tensor={sp * tp} "
+                          f"(the residual stream is split over both); use a multiple of {sp * tp}")
+    if config.data.source == "text" and m.vocab_size < 256:
+        raise ConfigError(f"config.model.vocab_size={m.vocab_size}: byte-level text needs vocab_size >= 256")
+
+
+def _rules(config, cls) -> dict:
+    clash = set(cls.rules) & set(sharding.DEFAULT_RULES)
+    if clash:
+        raise ConfigError(f"config.model.name={config.model.name!r}: the model's `rules` redefine "
+                          f"{sorted(clash)}; a model may only add logical names (change existing ones in "
+                          f"config.sharding.rules)")
+    return sharding.make_rules(dict(config.sharding.rules), extra=cls.rules)
+
+
+def _check_batch(config, dp):
+    t = config.train
+    if t.global_batch_size % (dp * t.microbatches):
+        raise ConfigError(
+            f"config.train.global_batch_size={t.global_batch_size}: must be divisible by data-parallel size {dp} "
+            f"x microbatches {t.microbatches} = {dp * t.microbatches}")
+
+
+def _check_explicit_rules(sizes, rules, logical):
+    """Explicit tensor / sequence parallelism splits what the rules say: the logical names the model uses
+    for heads, MLP and vocabulary must still map to `tensor`, and `length` to `seq`."""
+    used = {n for names in jax.tree.leaves(logical, is_leaf=sharding.is_logical_names) for n in names} | {"length"}
+    for name, axis in _EXPLICIT_RULES:
+        if name in used and sizes[axis] > 1 and rules[name] != axis:
+            raise ConfigError(f"config.sharding.rules.{name}={rules[name]!r}: mesh.{axis}={sizes[axis]} runs "
+                              f"explicit {axis} parallelism, which needs {name} -> {axis!r}; restore that rule")
+
+
+def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
+    p, pc, m, t = sizes["pipe"], config.pipeline, config.model, config.train
+    if p == 1:
+        return None
+    if sizes["seq"] > 1 and m.attention == "ring":
+        raise ConfigError(f"config.model.attention='ring' with mesh.pipe={p}, mesh.seq={sizes['seq']}: ring "
+                          f"attention cannot run inside pipeline stages (an XLA collective-permute has no replica "
+                          f"groups, so every device joins each one, while pipeline ranks run different stages); "
+                          f"use attention='ulysses' with pipe > 1")
+    if t.microbatches != 1:
+        raise ConfigError(f"config.train.microbatches={t.microbatches}: with mesh.pipe={p} the pipeline "
+                          f"microbatches the batch itself; set train.microbatches=1 and use pipeline.microbatches")
+    if pc.microbatches < 1 or t.global_batch_size % (dp * pc.microbatches):
+        raise ConfigError(
+            f"config.pipeline.microbatches={pc.microbatches}: global_batch_size={t.global_batch_size} must be "
+            f"divisible by data-parallel size {dp} x pipeline.microbatches; choose a divisor of "
+            f"{t.global_batch_size // dp}")
+    try:
+        schedule = make_schedule(pc.schedule, p, pc.microbatches, pc.virtual_stages)
+        validate(schedule)
+    except ScheduleError as e:
+        raise ConfigError(f"config.pipeline (schedule={pc.schedule!r}, microbatches={pc.microbatches}, "
+                          f"virtual_stages={pc.virtual_stages}, mesh.pipe={p}): {e}") from None
+    if m.num_layers % schedule.num_stages:
+        raise ConfigError(
+            f"config.model.num_layers={m.num_layers}: not divisible into {schedule.num_stages} pipeline stages "
+            f"(mesh.pipe={p} x {schedule.num_chunks} chunks per rank); use a multiple of {schedule.num_stages}")
+    return schedule
+
+
+def _check_params(config, sizes, rules, abstract_params, logical):
+    """Every parameter's logical names are in the rules and its sharded dims divide; `blocks` is a stack."""
+    name = config.model.name
+    if "blocks" not in abstract_params:
+        raise ConfigError(f"config.model.name={name!r}: the model has no `blocks` attribute (the stack of "
+                          f"identical blocks that parallax scans and pipelines); see parallax.model")
+    mesh = types.SimpleNamespace(shape=sizes)
+    is_names = sharding.is_logical_names
+    for path, names in jax.tree_util.tree_flatten_with_path(logical, is_leaf=is_names)[0]:
+        where = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
+        unknown = [n for n in names if n is not None and n not in rules]
+        if unknown:
+            raise ConfigError(f"config.model.name={name!r}: {where} uses logical name {unknown[0]!r}, which the "
+                              f"rules table lacks; add it to the model's `rules` (valid: {', '.join(sorted(rules))})")
+        shape = _leaf_at(abstract_params, path).shape
+        sharding.logical_to_spec(names, rules, mesh, shape, where)  # raises ConfigError if it does not divide
+        if path[0].key == "blocks" and (names[0] != "layers" or shape[0] != config.model.num_layers):
+            raise ConfigError(f"config.model.name={name!r}: {where} has shape {shape} and names {names}; every "
+                              f"block parameter needs a leading 'layers' dim of num_layers={config.model.num_layers}")
+
+
+def _leaf_at(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def abstract_batch(config) -> dict:
+    """ShapeDtypeStructs of one global batch."""
+    shape = (config.train.global_batch_size, config.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32)
+            for k in ("inputs", "targets", "segment_ids", "positions", "weights")}

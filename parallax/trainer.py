@@ -1,0 +1,173 @@
+"""The train state and the jitted steps: shardings, the optimizer, `train_step` and `eval_step`.
+
+`train_step(state, batch) -> (state, metrics)` is a pure function jitted once with explicit in/out
+shardings and donated state. The state is a dict of pure pytrees: `{'step', 'params', 'opt_state'}`; the
+data position is the step, since a batch is a function of (seed, step). The loss is the weighted token
+mean over the *global* batch: with `train.microbatches = M` each microbatch contributes its weighted loss
+sum divided by the global weight total, so accumulation is exact, not an average of averages. Eval runs
+the same loss path as training, forward only (`parallax.loss`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallax import data as data_lib
+from parallax import optim, sharding
+from parallax.loss import LossPath
+from parallax.plan import Plan, abstract_batch, make_plan
+
+
+def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
+    """Optimizer leaves mirroring a parameter get its sharding; everything else is replicated."""
+    by_path = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
+        by_path[tuple(k.key for k in path)] = s
+    replicated = NamedSharding(mesh, P())
+
+    def one(path, leaf):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        for start in range(len(keys)):
+            s = by_path.get(keys[start:])
+            if s is not None and len(s.spec) <= leaf.ndim:
+                return s
+        return replicated
+    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
+class Trainer:
+    """Everything derived from a plan and a mesh: shardings, optimizer, and the jitted steps."""
+
+    def __init__(self, config_or_plan, devices=None, mesh=None):
+        """Takes a config (checked here) or a `Plan`. `devices` default to all; `mesh` (e.g. an
+        AbstractMesh, for shape checks) overrides them."""
+        if mesh is None:
+            devices = list(jax.devices() if devices is None else devices)
+        plan = config_or_plan
+        if not isinstance(plan, Plan):
+            plan = make_plan(config_or_plan, len(devices) if mesh is None else mesh.size)
+        self.plan, self.config = plan, plan.config
+        self.mesh = plan.make_mesh(devices) if mesh is None else mesh
+        self.loss = LossPath(plan, self.mesh)
+        self.abstract_params, self.logical = plan.abstract_params, plan.logical
+        self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, plan.rules)
+        self.lr_schedule = optim.lr_schedule(self.config.optim, self.config.train.steps)
+        self.tx = optim.make_optimizer(self.config.optim, self.config.train.steps, self.logical)
+        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+        replicated = NamedSharding(self.mesh, P())
+        self.state_shardings = {
+            "step": replicated,
+            "params": self.param_shardings,
+            "opt_state": _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh),
+        }
+        self.batch_sharding = sharding.batch_sharding(self.mesh, plan.rules)
+        self.num_params = plan.num_params
+
+        self._init = jax.jit(self._init_state, static_argnums=0, out_shardings=self.state_shardings)
+        self.loss_and_grads = jax.jit(self._loss_and_grads, out_shardings=(replicated, self.param_shardings))
+        self.train_step = jax.jit(self._train_step, donate_argnums=0,
+                                  in_shardings=(self.state_shardings, self.batch_sharding),
+                                  out_shardings=(self.state_shardings, replicated))
+        self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
+
+    @property
+    def pipeline(self):
+        """The pipeline schedule, or None."""
+        return self.plan.schedule
+
+    @property
+    def graphdef(self):
+        return self.plan.graphdef
+
+    # --- pure functions -------------------------------------------------------------------------------
+
+    def _init_state(self, seed: int):
+        params = nnx.to_pure_dict(nnx.state(self.plan.new_model(seed)))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+
+    def _loss_and_grads(self, params, batch):
+        """Mean token loss over the global batch and its gradients, accumulated over microbatches in fp32."""
+        total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        m = int(self.config.train.microbatches)
+        if m == 1:
+            loss, grads = self.loss.sum_and_grads(params, batch)
+            return loss / total, jax.tree.map(lambda g: g / total, grads)
+
+        def body(carry, mb):
+            loss_acc, grad_acc = carry
+            loss, grads = self.loss.sum_and_grads(params, mb)
+            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total, grad_acc, grads)
+            return (loss_acc + loss / total, grad_acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                        self.loss.split_microbatches(batch, m))
+        return loss, grads
+
+    def _train_step(self, state, batch):
+        loss, grads = self._loss_and_grads(state["params"], batch)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+               "opt_state": opt_state}
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if self.config.train.nan_policy == "skip":  # keep the old weights, still advance the step
+            new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),
+                                                        {k: new[k] for k in ("params", "opt_state")},
+                                                        {k: state[k] for k in ("params", "opt_state")})}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.lr_schedule(state["step"]),
+                   "finite": finite}
+        return new, metrics
+
+    def _eval_step(self, params, batch):
+        """[weighted loss sum, weight total] of one batch, by the training loss path (forward only), in
+        `train.microbatches` pieces as training does (so eval fits wherever a training step fits)."""
+        m = int(self.config.train.microbatches)
+        if m == 1:
+            loss = self.loss.sum(params, batch)
+        else:
+            sums, _ = jax.lax.scan(lambda acc, mb: (acc + self.loss.sum(params, mb), None),
+                                   jnp.zeros((), jnp.float32), self.loss.split_microbatches(batch, m))
+            loss = sums
+        return jnp.stack([loss, jnp.sum(batch["weights"])])
+
+    # --- host side -----------------------------------------------------------------------------------
+
+    def abstract_state(self):
+        """ShapeDtypeStructs of the state with its shardings: the restore target."""
+        shapes = jax.eval_shape(lambda: self._init_state(0))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                            self.state_shardings)
+
+    def init_state(self, seed: int | None = None):
+        """Creates the state directly sharded (nothing is materialised whole on one device)."""
+        return self._init(int(self.config.train.seed if seed is None else seed))
+
+    def device_batch(self, batch: dict) -> dict:
+        """A host batch (this host's rows, see `host_rows`) -> global arrays with the batch sharding."""
+        return data_lib.to_global(batch, self.batch_sharding, self.config.train.global_batch_size)
+
+    def host_rows(self) -> tuple[int, int]:
+        """The rows of the global batch this host must load."""
+        return data_lib.host_rows(self.batch_sharding, (self.config.train.global_batch_size, self.config.train.seq_len))
+
+
+def shape_check(config, num_devices: int) -> dict:
+    """Checks a config for `num_devices` devices by shape inference only (nothing is allocated).
+
+    Makes the plan (every config check), derives every parameter's sharding on an abstract mesh and traces
+    the training loss and gradients and the eval loss with `jax.eval_shape`, on the same path a real run
+    takes (dense, manual or pipelined). Returns parameter and token counts.
+    """
+    plan = make_plan(config, num_devices)
+    trainer = Trainer(plan, mesh=plan.abstract_mesh())
+    batch = abstract_batch(config)
+    loss, grads = jax.eval_shape(trainer._loss_and_grads, trainer.abstract_params, batch)
+    assert jax.tree.structure(grads) == jax.tree.structure(trainer.abstract_params)
+    eval_out = jax.eval_shape(trainer._eval_step, trainer.abstract_params, batch)
+    return {"params": trainer.num_params, "loss_shape": loss.shape, "eval_shape": eval_out.shape,
+            "tokens_per_step": config.train.global_batch_size * config.train.seq_len}

@@ -1,0 +1,49 @@
+"""Eval runs the training loss path (forward only; the pipeline executor's F ticks when pipe > 1) on every
+layout: `train_and_evaluate` with eval every step gives the 1-device eval losses, and writes checkpoints."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import tiny_config
+from parallax.train import train_and_evaluate
+
+TOL = 1e-5
+LAYOUTS = [
+    dict(pipe=2, tensor=2, data=2),
+    dict(pipe=2, seq=2, data=2, attention="ulysses"),
+    dict(pipe=2, data=2, fsdp=2),
+    dict(tensor=2, seq=2, data=2, attention="ulysses"),
+]
+
+
+def _run(model, workdir, devices, attention="dense", **mesh):
+    config = tiny_config(model, **mesh)
+    config.model.update(num_layers=4, attention=attention)
+    config.train.update(steps=3, eval_every=1, eval_batches=2, checkpoint_every=2, log_every=1)
+    result = train_and_evaluate(config, str(workdir), devices=devices, log=lambda *_: None)
+    return [(r["loss"], r["eval_loss"]) for r in result.history]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            cache[model] = _run(model, tmp_path_factory.mktemp(f"{model}_ref"), jax.devices()[:1])
+        return cache[model]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_eval_on_every_layout_matches_single_device(references, tmp_path, model, layout):
+    got = _run(model, tmp_path, jax.devices(), **layout)
+    ref = references(model)
+    assert len(got) == len(ref) == 3
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=TOL)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]

@@ -1,0 +1,135 @@
+"""The model contract: parallax holds no model; GPT-2 (a second family, through the contract only) and a
+user's model named by import path match their 1-device runs on every layout; contract errors are clear."""
+
+import ast
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import ROOT, assert_parity, loss_grads_and_steps, tiny_config
+from parallax.config import ConfigError, load_config_file
+from parallax.plan import make_plan
+
+TOL = 1e-5
+LIBRARY = sorted(glob.glob(os.path.join(ROOT, "parallax", "**", "*.py"), recursive=True))
+
+
+def test_library_imports_no_model_and_names_none_but_by_config():
+    for path in LIBRARY:
+        text = open(path).read()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n == "models" or n.startswith("models.") for n in names), (path, names)
+        assert "gpt" not in text.lower(), path  # not one line of the library mentions GPT-2
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))), ids=os.path.basename)
+def test_every_config_names_its_model(path):
+    assert load_config_file(path).model.name in ("llama", "gpt2")
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference():
+    return loss_grads_and_steps(_gpt2(), jax.devices()[:1])
+
+
+def _gpt2(schedule="1f1b", attention="dense", microbatches=1, **mesh):
+    config = tiny_config("gpt2", **mesh)
+    config.model.update(num_layers=4, attention=attention)
+    config.train.microbatches = microbatches
+    config.pipeline.update(schedule=schedule, virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv") else 1)
+    return config
+
+
+GPT2_CASES = [
+    ("data=8", {}, dict(data=8)),
+    ("fsdp=8", {}, dict(fsdp=8)),
+    ("tensor=2,fsdp=4", {}, dict(tensor=2, fsdp=4)),
+    ("seq=2,data=4-ulysses", dict(attention="ulysses"), dict(seq=2, data=4)),
+    ("seq=2,tensor=2,fsdp=2-ring", dict(attention="ring"), dict(seq=2, tensor=2, fsdp=2)),
+    ("tensor=2,data=4-accumulate2", dict(microbatches=2), dict(tensor=2, data=4)),
+    ("pipe=2,tensor=2,fsdp=2", {}, dict(pipe=2, tensor=2, fsdp=2)),
+] + [(f"pipe=2,data=4-{s}", dict(schedule=s), dict(pipe=2, data=4))
+     for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options,mesh", [c[1:] for c in GPT2_CASES], ids=[c[0] for c in GPT2_CASES])
+def test_gpt2_matches_single_device(gpt2_reference, options, mesh):
+    assert_parity(loss_grads_and_steps(_gpt2(**options, **mesh), jax.devices()), gpt2_reference, TOL)
+
+
+def test_gpt2_every_gradient_is_nonzero(gpt2_reference):
+    for path, g in jax.tree_util.tree_flatten_with_path(gpt2_reference[1])[0]:
+        assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
+
+
+def _train(workdir, devices, *overrides):
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/tests/user_model_config.py",
+           f"--workdir={workdir}", f"--cpu_devices={devices}", *overrides]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+@pytest.mark.slow
+def test_user_model_by_import_path_trains_pipelined_from_the_launcher(tmp_path):
+    ref = _train(tmp_path / "one", 1)
+    got = _train(tmp_path / "pipe", 4, "--config.mesh.pipe=2", "--config.mesh.fsdp=2")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=TOL)
+    evals = [(r["eval_loss"], s["eval_loss"]) for r, s in zip(got, ref) if "eval_loss" in r]
+    assert len(evals) == 2
+    np.testing.assert_allclose(*zip(*evals), rtol=TOL)
+    assert os.listdir(tmp_path / "pipe" / "checkpoints")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(name="llama3"), "not a registered model"),
+    (dict(name="no_such_module_xyz:Model"), "cannot import module 'no_such_module_xyz'"),
+    (dict(name="parallax.model:Nope"), "has no attribute 'Nope'"),
+    (dict(name="parallax.plan:Plan"), "not a subclass of parallax.model.Model"),
+    (dict(name="gpt2"), "config.model.head_dim: not a key of model 'gpt2'"),
+], ids=["unregistered", "no-module", "no-class", "not-a-model", "other-model-keys"])
+def test_bad_model_name_is_one_line_naming_the_fix(change, match):
+    config = tiny_config(data=8)
+    config.model.update(change)
+    with pytest.raises(ConfigError, match=match) as info:
+        make_plan(config, 8)
+    assert "\n" not in str(info.value)
+
+
+def test_model_named_by_file_path_plans_like_the_registered_one():
+    config = tiny_config(data=8)
+    by_name = make_plan(config, 8)
+    config.model.name = os.path.join(ROOT, "models", "llama.py") + ":Llama"  # a file with a dataclass
+    by_path = make_plan(config, 8)
+    assert by_path.model_class.__name__ == "Llama" and by_path.model_class is not by_name.model_class
+    assert jax.tree.map(lambda a: a.shape, by_path.abstract_params) == \
+        jax.tree.map(lambda a: a.shape, by_name.abstract_params)
+
+
+def test_model_without_tensor_parallelism_rejects_mesh_tensor():
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    config = load_config_file(os.path.join(ROOT, "tests", "user_model_config.py"))
+    config.mesh.update(data=4, tensor=2)
+    with pytest.raises(ConfigError, match="does not implement tensor parallelism"):
+        make_plan(config, 8)
+
+
+def test_readme_example_is_the_tested_user_model():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    start = readme.index("```python", readme.index("## Bring your own model")) + len("```python\n")
+    assert readme[start:readme.index("```", start)] in open(os.path.join(ROOT, "tests", "user_model.py")).read()
