@@ -18,19 +18,39 @@ Communication per block, forward, per device (b = bytes per element): all-gather
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+
+
+def reduction_dtype(dtype):
+    """The dtype a cross-device sum of `dtype` values runs in.
+
+    On XLA:CPU, bf16 / f16: float32. XLA:CPU sums those in f32 anyway (its AllReducePromotion pass), but that
+    pass aborts the compile (`hlo_instruction.cc: Invalid binary instruction opcode copy`) when it meets a
+    bf16 reduce-scatter whose reducer computation ends in a copy, which is what the reduce-scatters inside
+    the pipeline executor's switch branches look like (bf16 + pipe=2 + tensor=2 was enough). Minimal
+    reproduction: Trainer of configs/tiny.py with mesh pipe=2 tensor=2 data=2, model.dtype=bfloat16,
+    `loss_and_grads.lower(...).compile()`. On GPU / TPU the collective keeps the input dtype.
+    """
+    dtype = jnp.dtype(dtype)
+    if jax.default_backend() == "cpu" and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return jnp.dtype(jnp.float32)
+    return dtype
 
 
 def gather_seq(x, axis_name: str = "tensor", axis: int = 1):
     """All-gathers the sequence shards before a column-parallel projection: [B, T/t, d] -> [B, T, d].
 
-    Its gradient is `scatter_seq` of the cotangent.
+    Its gradient is `scatter_seq` of the cotangent (a reduce-scatter, in `reduction_dtype`).
     """
-    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    dt = reduction_dtype(x.dtype)
+    return jax.lax.all_gather(x.astype(dt), axis_name, axis=axis, tiled=True).astype(x.dtype)
 
 
 def scatter_seq(y, axis_name: str = "tensor", axis: int = 1):
     """Sums partial results over `axis_name` and keeps this rank's sequence shard: [B, T, d] -> [B, T/t, d].
 
-    Used after a row-parallel projection; its gradient is `gather_seq` of the cotangent.
+    Used after a row-parallel projection; its gradient is `gather_seq` of the cotangent. Sums in
+    `reduction_dtype`.
     """
-    return jax.lax.psum_scatter(y, axis_name, scatter_dimension=axis, tiled=True)
+    dt = reduction_dtype(y.dtype)
+    return jax.lax.psum_scatter(y.astype(dt), axis_name, scatter_dimension=axis, tiled=True).astype(y.dtype)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from parallax.parallel.tensor import reduction_dtype
+
 
 def _vocab_range(v_local: int, axis_name: str):
     """First token id owned by this rank."""
@@ -34,9 +36,10 @@ def vocab_parallel_embed(table_local, tokens, *, axis_name: str = "tensor", scat
     mine = (local_ids >= 0) & (local_ids < v_local)  # (B, T)
     rows = jnp.take(table_local, jnp.where(mine, local_ids, 0), axis=0)  # (B, T, d)
     rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))  # (B, T, d)
+    dtype, rows = rows.dtype, rows.astype(reduction_dtype(rows.dtype))
     if scatter_axis is None:
-        return jax.lax.psum(rows, axis_name)  # (B, T, d)
-    return jax.lax.psum_scatter(rows, axis_name, scatter_dimension=scatter_axis, tiled=True)  # (B, T/t, d)
+        return jax.lax.psum(rows, axis_name).astype(dtype)  # (B, T, d)
+    return jax.lax.psum_scatter(rows, axis_name, scatter_dimension=scatter_axis, tiled=True).astype(dtype)
 
 
 def cross_entropy_sum(logits, targets, weights):
