@@ -1,0 +1,95 @@
+"""Per-device memory of the real train step, by XLA's own analysis, beside an analytic estimate.
+
+`memory_report(config, devices)` makes the plan and the `Trainer` for `devices` (real ones, or simulated
+CPU devices standing in for real hardware), AOT-compiles `train_step` on abstract inputs (nothing is
+allocated) and reads `compiled.memory_analysis()`. The analytic part counts what the shardings put on one
+device: parameters, optimizer state, gradients (fp32, sharded like the parameters) and the batch. The
+peak is XLA's arguments + outputs + temporaries - aliased (the donated state is updated in place).
+
+On simulated CPU devices the figures are the CPU compiler's: the same program and shardings as on a GPU
+or TPU, but another compiler's fusion and scheduling, so temporaries can differ from a TPU's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from parallax.plan import abstract_batch, make_plan
+from parallax.trainer import Trainer
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per device."""
+    params: int  # analytic: this device's shards of the parameters
+    optimizer: int  # analytic: its shards of the optimizer state
+    gradients: int  # analytic: fp32 gradients, sharded like the parameters (live inside the step)
+    batch: int  # analytic: its rows of the batch arrays
+    xla_arguments: int  # XLA: the step's inputs (state + batch) on this device
+    xla_outputs: int
+    xla_aliased: int  # outputs written in place of (donated) inputs
+    xla_temp: int  # XLA: temporaries (activations, gradients, collectives' buffers, ...)
+
+    @property
+    def peak(self) -> int:
+        return self.xla_arguments + self.xla_outputs + self.xla_temp - self.xla_aliased
+
+    @property
+    def analytic_state(self) -> int:
+        """The analytic counterpart of `xla_arguments`."""
+        return self.params + self.optimizer + self.batch
+
+    def table(self) -> str:
+        rows = [("parameters (analytic)", self.params), ("optimizer state (analytic)", self.optimizer),
+                ("gradients, fp32 (analytic)", self.gradients), ("batch (analytic)", self.batch),
+                ("state + batch (analytic)", self.analytic_state), ("XLA arguments", self.xla_arguments),
+                ("XLA outputs", self.xla_outputs), ("XLA aliased (donated)", self.xla_aliased),
+                ("XLA temporaries", self.xla_temp), ("peak = args + outputs + temp - aliased", self.peak)]
+        unit, size = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
+        lines = [f"| per device | {unit} |", "|---|---|"] + [f"| {name} | {b / size:.3f} |" for name, b in rows]
+        return "\n".join(lines)
+
+
+def _bytes_on_device(tree, shardings) -> int:
+    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def memory_report(config, devices=None) -> MemoryReport:
+    """Compiles the train step of `config` for `devices` (default: all) and measures it; nothing is allocated."""
+    devices = list(jax.devices() if devices is None else devices)
+    trainer = Trainer(make_plan(config, len(devices)), devices=devices)
+    state = trainer.abstract_state()
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding)
+             for k, a in abstract_batch(config).items()}
+    memory = trainer.train_step.lower(state, batch).compile().memory_analysis()
+    params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)
+    grads = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s in
+                zip(jax.tree.leaves(trainer.abstract_params), jax.tree.leaves(trainer.param_shardings)))
+    return MemoryReport(
+        params=params,
+        optimizer=_bytes_on_device(state["opt_state"], trainer.state_shardings["opt_state"]),
+        gradients=grads,
+        batch=_bytes_on_device(batch, {k: trainer.batch_sharding for k in batch}),
+        xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
+        xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes)
+
+
+def advice(config, report: MemoryReport, hbm_bytes: float) -> list[str]:
+    """What to change when the step does not fit, largest lever first."""
+    out = []
+    if report.xla_temp > report.xla_arguments:
+        if config.train.microbatches == 1 and config.mesh.pipe == 1:
+            out.append("activations dominate: raise train.microbatches (gradient accumulation) so each "
+                       "microbatch's activations fit")
+        if config.model.remat == "none":
+            out.append("set model.remat=full (or dots) to recompute activations in the backward")
+    if report.xla_arguments > 0.5 * hbm_bytes:
+        out.append("parameters + optimizer state dominate: shard them further (raise mesh.fsdp, mesh.tensor "
+                   "or mesh.pipe)")
+    return out or ["use more devices or a smaller batch per device"]
