@@ -24,8 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism, constrain
-from parallax.parallel.sequence import check_sequence_parallel
+from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
 
 
 def layer_norm(x, scale, bias, eps):
@@ -111,17 +110,7 @@ class GPT2(Model):
         if config.train.seq_len > m.max_positions:
             raise ConfigError(f"config.train.seq_len={config.train.seq_len}: longer than the learned positions "
                               f"(model.max_positions={m.max_positions}); raise max_positions or shorten seq_len")
-        tp = sizes["tensor"]
-        for key in ("num_heads", "vocab_size", "d_ff"):
-            if m[key] % tp:
-                raise ConfigError(f"config.model.{key}={m[key]}: not divisible by mesh.tensor={tp}; "
-                                  f"use a tensor size that divides it")
-        try:
-            check_sequence_parallel(m.attention, sizes["seq"], m.num_heads // tp, m.num_heads // tp,
-                                    config.train.seq_len)
-        except ValueError as e:
-            raise ConfigError(f"config.model.attention={m.attention!r}, mesh.seq={sizes['seq']} "
-                              f"({m.num_heads // tp} heads per tensor rank): {e}") from None
+        check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_heads)
 
     def __init__(self, config, rngs: nnx.Rngs):
         D, std = config.d_model, config.init_std

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism, constrain
-from parallax.parallel.sequence import check_sequence_parallel
+from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +142,8 @@ class Llama(Model):
         if (m.head_dim or m.d_model // m.num_heads) % 2:
             raise ConfigError(f"config.model.head_dim={m.head_dim or m.d_model // m.num_heads}: RoPE needs an "
                               f"even head_dim")
-        tp = sizes["tensor"]
-        for key in ("num_heads", "num_kv_heads", "vocab_size", "d_ff"):
-            if m[key] % tp:
-                raise ConfigError(f"config.model.{key}={m[key]}: not divisible by mesh.tensor={tp}; "
-                                  f"use a tensor size that divides it")
-        try:
-            check_sequence_parallel(m.attention, sizes["seq"], m.num_heads // tp, m.num_kv_heads // tp,
-                                    config.train.seq_len)
-        except ValueError as e:
-            raise ConfigError(f"config.model.attention={m.attention!r}, mesh.seq={sizes['seq']} (per tensor "
-                              f"rank: {m.num_heads // tp} heads, {m.num_kv_heads // tp} kv heads): {e}") from None
+        check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_kv_heads,
+                              ("num_heads", "num_kv_heads", "vocab_size", "d_ff"))
 
     def __init__(self, config, rngs: nnx.Rngs):
         cfg = LlamaConfig.from_config(config)

@@ -51,6 +51,7 @@ from flax import nnx
 
 from parallax.config import ConfigError
 from parallax.parallel.manual import DENSE, Parallelism
+from parallax.parallel.sequence import check_sequence_parallel
 from parallax.sharding import constrain
 
 __all__ = ["Model", "Parallelism", "DENSE", "constrain", "model_class", "apply_blocks", "forward", "loss_sum",
@@ -97,6 +98,23 @@ class Model(nnx.Module):
     def loss(self, x, batch, par: Parallelism = DENSE):
         """Weighted loss summed over this rank's tokens (not over the batch axes or `seq`)."""
         return par.cross_entropy(self.logits(x, par), batch)
+
+
+def check_attention_split(model_config, sizes, seq_len: int, num_heads: int, num_kv_heads: int,
+                          tensor_keys=("num_heads", "vocab_size", "d_ff")) -> None:
+    """Checks an attention model can be split as the mesh asks (for a model's `check_config`): each
+    `config.model` key in `tensor_keys` divisible by mesh.tensor, and the heads of one tensor rank
+    splittable over mesh.seq by `model.attention`. Raises ConfigError naming the key and the fix."""
+    tp = sizes["tensor"]
+    for key in tensor_keys:
+        if model_config[key] % tp:
+            raise ConfigError(f"config.model.{key}={model_config[key]}: not divisible by mesh.tensor={tp}; "
+                              f"use a tensor size that divides it")
+    try:
+        check_sequence_parallel(model_config.attention, sizes["seq"], num_heads // tp, num_kv_heads // tp, seq_len)
+    except ValueError as e:
+        raise ConfigError(f"config.model.attention={model_config.attention!r}, mesh.seq={sizes['seq']} (per tensor "
+                          f"rank: {num_heads // tp} heads, {num_kv_heads // tp} kv heads): {e}") from None
 
 
 _FILE_MODULES: dict[str, object] = {}

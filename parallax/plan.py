@@ -144,15 +144,15 @@ def _check_generic(config, sizes):
         raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
                           f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")
     sp, tp = sizes["seq"], sizes["tensor"]
+    if t.seq_len % (sp * tp):
+        raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq*mesh.tensor={sp * tp} "
+                          f"(the residual stream is split over both); use a multiple of {sp * tp}")
     if sp > 1 and m.attention == "dense":
         raise ConfigError(f"config.model.attention='dense' with mesh.seq={sp}: set attention to 'ulysses' or "
                           f"'ring', or set mesh.seq=1")
     if m.attention == "ring" and t.seq_len % (2 * sp):
         raise ConfigError(f"config.train.seq_len={t.seq_len}: ring: seq_len={t.seq_len} is not divisible by "
                           f"2*seq={2 * sp} (zigzag layout): use a seq_len that is a multiple of {2 * sp}")
-    if t.seq_len % (sp * tp):
-        raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq*mesh.tensor={sp * tp} "
-                          f"(the residual stream is split over both); use a multiple of {sp * tp}")
     if config.data.source == "text" and m.vocab_size < 256:
         raise ConfigError(f"config.model.vocab_size={m.vocab_size}: byte-level text needs vocab_size >= 256")
 
