@@ -47,6 +47,7 @@ def assert_parity(got, ref, tol=1e-5):
     print(f"loss rel err {rel_err(loss, ref_loss):.2e}, worst gradient {where} {err:.2e}")
     assert rel_err(loss, ref_loss) <= tol
     assert err <= tol, f"gradient {where} differs by {err:.2e}"
+    assert 0 < len(losses) <= len(ref_losses)
     np.testing.assert_allclose(losses, ref_losses[:len(losses)], rtol=tol)
 
 

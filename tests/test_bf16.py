@@ -74,3 +74,16 @@ def test_bf16_pipeline_is_as_close_to_fp32_as_unpipelined_bf16_and_trains(errors
     result = train_and_evaluate(config, str(tmp_path), devices=jax.devices(), log=lambda *_: None)
     assert all(np.isfinite([r["loss"], r["eval_loss"]]).all() for r in result.history)
     assert os.listdir(tmp_path / "checkpoints") == ["2"]
+
+
+def test_dense_embedding_lookup_reads_the_fp32_table():
+    """Rows are taken from the fp32 table and cast after, so the table's gradient (a scatter-add over the
+    tokens) is summed in fp32, not in bf16."""
+    from flax import nnx
+
+    from parallax.parallel.manual import DENSE
+
+    table = nnx.Param(jax.numpy.ones((64, 8)), logical=("vocab", "embed"))
+    text = jax.jit(lambda t: DENSE.embed(t, jax.numpy.zeros((2, 4), "int32"), "bfloat16")).lower(table).as_text()
+    gathers = [line for line in text.splitlines() if "gather" in line and "tensor<64x8x" in line]
+    assert gathers and all("tensor<64x8xf32>" in line for line in gathers), gathers

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from parallax.train import train_and_evaluate
+from parallax.train import make_dataset, train_and_evaluate
+from parallax.trainer import Trainer
 
 TOL = 1e-5
 LAYOUTS = [
@@ -47,3 +48,14 @@ def test_eval_on_every_layout_matches_single_device(references, tmp_path, model,
     assert len(got) == len(ref) == 3
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=TOL)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
+
+
+def test_eval_in_microbatches_equals_one_pass():
+    config = tiny_config("llama", tensor=2, data=4)
+    trainer = Trainer(config, devices=jax.devices())
+    params = trainer.init_state()["params"]
+    batch = trainer.device_batch(make_dataset(config).batch(0))
+    whole = np.asarray(trainer.eval_step(params, batch))
+    config.train.microbatches = 2
+    split = np.asarray(Trainer(config, devices=jax.devices()).eval_step(params, batch))
+    np.testing.assert_allclose(split, whole, rtol=TOL)
