@@ -1,11 +1,15 @@
-"""Will a config fit? AOT-compiles the real train step for N simulated devices and prints XLA's per-device
-memory beside an analytic estimate; nothing is allocated, no accelerator is needed.
+"""Will a config fit? AOT-compiles the real train step and prints the compiler's per-device memory beside
+an analytic estimate; nothing is allocated, no accelerator is needed.
 
     python launch/plan.py --config=configs/llama3_8b.py [--devices=N] [--hbm_gib=80] [--config.a.b=VALUE ...]
+    python launch/plan.py --config=configs/llama3_8b.py --topology=v5p:4x4x4 [--hbm_gib=95] [--config...]
 
-N defaults to the product of the config's mesh sizes (so a config for real hardware spells its mesh out;
-with an axis of -1, pass --devices). The last line is `peak_gib=X hbm_gib=Y fits=yes|no`; the exit status
-is 0 when it fits, 1 when it does not (with what to change), 2 for a config error.
+Without --topology it compiles for N simulated CPU devices (XLA:CPU's figures); N defaults to the product of
+the config's mesh sizes (so a config for real hardware spells its mesh out; with an axis of -1, pass
+--devices). With --topology it compiles for that TPU slice's chips with libtpu (the TPU compiler's own
+figures; `pip install -e '.[tpu]'`, Python 3.12), and --hbm_gib defaults to the chip's HBM. The last line
+is `peak_gib=X hbm_gib=Y fits=yes|no`; the exit status is 0 when it fits, 1 when it does not (with what to
+change), 2 for a config error.
 """
 
 import math
@@ -19,47 +23,78 @@ from absl import app, flags  # noqa: E402
 from launch.common import _config_exit  # noqa: E402
 
 flags.DEFINE_string("config", None, "Path to a config file with get_config().")
-flags.DEFINE_integer("devices", 0, "Devices to plan for (0: the product of the config's mesh sizes).")
-flags.DEFINE_float("hbm_gib", 80.0, "Memory per device, GiB (80: an 80 GB GPU; 95: a TPU v5p chip).")
+flags.DEFINE_integer("devices", 0, "Simulated CPU devices to plan for (0: the product of the config's mesh sizes).")
+flags.DEFINE_string("topology", None, "A TPU slice to compile for instead, e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2, "
+                    "v6e:2x2 (needs libtpu: pip install -e '.[tpu]').")
+flags.DEFINE_float("hbm_gib", None, "Memory per device, GiB (default: the --topology chip's HBM, else 80: an "
+                   "80 GB GPU).")
 FLAGS = flags.FLAGS
+
+
+def _devices(config):
+    """(devices, a description of them) for --topology or simulated CPU devices; raises ConfigError."""
+    from parallax.config import ConfigError
+    from parallax.mesh import resolve_axis_sizes, simulate_cpu_devices
+
+    if FLAGS.topology:
+        if FLAGS.devices:
+            raise ConfigError(f"--devices={FLAGS.devices} with --topology={FLAGS.topology}: the topology sets "
+                              f"the device count; drop --devices")
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")  # host work only; the TPU compiler comes with the devices
+        from importlib.metadata import version
+
+        from parallax.memory import tpu_devices
+
+        devices = tpu_devices(FLAGS.topology)
+        try:
+            resolve_axis_sizes(config.mesh, len(devices))
+        except ConfigError as e:
+            raise ConfigError(f"--topology={FLAGS.topology} ({len(devices)} devices): {e}") from None
+        return devices, (f"{len(devices)} x {devices[0].device_kind} (--topology={FLAGS.topology}, compiled by "
+                         f"XLA:TPU from libtpu {version('libtpu')})")
+    sizes = [int(v) for v in config.mesh.values()]
+    n = FLAGS.devices or (math.prod(sizes) if min(sizes) > 0 else 0)
+    if n <= 0:
+        raise ConfigError(f"config.mesh has an inferred axis (-1): pass --devices=N, or spell every mesh size "
+                          f"out ({dict(config.mesh)})")
+    simulate_cpu_devices(n)
+    import jax
+
+    return jax.devices()[:n], f"{n} simulated {jax.devices()[0].platform} devices (compiled by XLA:CPU)"
 
 
 def main(argv, overrides):
     del argv
+    from absl import logging
+
     from parallax.config import ConfigError, config_from_args
 
+    logging.set_verbosity(logging.WARNING)
     if not FLAGS.config:
         _config_exit(ConfigError("--config is required, e.g. --config=configs/llama3_8b.py"))
     try:
         config = config_from_args(FLAGS.config, overrides)
+        devices, described = _devices(config)
+        from parallax.memory import GIB, TPU_HBM_GIB, advice, memory_report, tpu_generation
+
+        hbm_gib = FLAGS.hbm_gib
+        if hbm_gib is None and FLAGS.topology:
+            hbm_gib = TPU_HBM_GIB.get(tpu_generation(FLAGS.topology))
+            if hbm_gib is None:
+                raise ConfigError(f"--topology={FLAGS.topology}: no HBM size known for this generation (known: "
+                                  f"{', '.join(TPU_HBM_GIB)}); pass --hbm_gib")
+        hbm_gib = 80.0 if hbm_gib is None else hbm_gib
+        report = memory_report(config, devices)
     except ConfigError as e:
         _config_exit(e)
-    sizes = [int(v) for v in config.mesh.values()]
-    devices = FLAGS.devices or (math.prod(sizes) if min(sizes) > 0 else 0)
-    if devices <= 0:
-        _config_exit(ConfigError(f"config.mesh has an inferred axis (-1): pass --devices=N, or spell every mesh "
-                                 f"size out ({dict(config.mesh)})"))
-    from parallax.mesh import simulate_cpu_devices
-
-    simulate_cpu_devices(devices)
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-    import jax
-
-    from parallax.memory import GIB, advice, memory_report
-
-    try:
-        report = memory_report(config, jax.devices()[:devices])
-    except ConfigError as e:
-        _config_exit(e)
-    fits = report.peak <= FLAGS.hbm_gib * GIB
-    print(f"{FLAGS.config}: {devices} devices ({jax.devices()[0].platform}, simulated), XLA's memory analysis of "
-          f"the compiled train step\n")
+    fits = report.peak <= hbm_gib * GIB
+    print(f"{FLAGS.config}: {described}; the compiler's memory analysis of the train step\n")
     print(report.table())
     if not fits:
-        print("\ndoes not fit; try:\n" + "\n".join(f"- {a}" for a in advice(config, report, FLAGS.hbm_gib * GIB)))
-    print(f"\npeak_gib={report.peak / GIB:.2f} hbm_gib={FLAGS.hbm_gib:g} fits={'yes' if fits else 'no'}")
+        print("\ndoes not fit; try:\n" + "\n".join(f"- {a}" for a in advice(config, report, hbm_gib * GIB)))
+    print(f"\npeak_gib={report.peak / GIB:.2f} hbm_gib={hbm_gib:g} fits={'yes' if fits else 'no'}")
     sys.exit(0 if fits else 1)
 
 

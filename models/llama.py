@@ -102,19 +102,19 @@ class Blocks(nnx.Module):
         cfg, dt, w = self.cfg, self.cfg.compute_dtype, par.weight
         segment_ids, positions = batch["segment_ids"], batch["positions"]
         h = par.gather_seq(rms_norm(x, w(self.attn_norm), cfg.norm_eps))  # (B, T, D)
-        q = jnp.einsum("btd,dhk->bthk", h, w(self.wq).astype(dt))  # (B, T, H, Dh)
-        k = jnp.einsum("btd,dhk->bthk", h, w(self.wk).astype(dt))  # (B, T, K, Dh)
-        v = jnp.einsum("btd,dhk->bthk", h, w(self.wv).astype(dt))  # (B, T, K, Dh)
+        q = jnp.einsum("btd,dhk->bthk", h, w(self.wq, dt))  # (B, T, H, Dh)
+        k = jnp.einsum("btd,dhk->bthk", h, w(self.wk, dt))  # (B, T, K, Dh)
+        v = jnp.einsum("btd,dhk->bthk", h, w(self.wv, dt))  # (B, T, K, Dh)
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None))
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None))
         a = par.attention(q, k, v, segment_ids, positions)  # (B, T, H, Dh)
-        x = x + par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, w(self.wo).astype(dt)))
+        x = x + par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, w(self.wo, dt)))
         x = constrain(x, ("batch", "length", "act_embed"))
         h = par.gather_seq(rms_norm(x, w(self.mlp_norm), cfg.norm_eps))  # (B, T, D)
-        gate = jnp.einsum("btd,df->btf", h, w(self.w_gate).astype(dt))  # (B, T, F)
-        up = jnp.einsum("btd,df->btf", h, w(self.w_up).astype(dt))  # (B, T, F)
+        gate = jnp.einsum("btd,df->btf", h, w(self.w_gate, dt))  # (B, T, F)
+        up = jnp.einsum("btd,df->btf", h, w(self.w_up, dt))  # (B, T, F)
         act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        x = x + par.scatter_seq(jnp.einsum("btf,fd->btd", act, w(self.w_down).astype(dt)))
+        x = x + par.scatter_seq(jnp.einsum("btf,fd->btd", act, w(self.w_down, dt)))
         return constrain(x, ("batch", "length", "act_embed"))
 
 

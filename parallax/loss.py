@@ -8,8 +8,9 @@ with its gradients (`sum_and_grads`: training). The caller divides by the weight
   shards it over the data / FSDP axes from the parameters' and activations' logical names.
 - manual: `tensor > 1` or `seq > 1` without a pipeline. The model runs per rank inside
   `parallax.parallel.manual.shard_loss` and adds its collectives through `plan.parallelism`.
-- pipelined: `pipe > 1`. The embedding (first stage) and head + loss (last stage) use the parameters
-  outside `blocks`; the stacked blocks go to the executor in its [p, v, L/(p*v), ...] layout. Eval runs
+- pipelined: `pipe > 1`. The first stage gets the parameters outside `blocks` that `embed` reads, the
+  last stage those that `loss` reads (found by tracing each once: a tied embedding is in both); the
+  stacked blocks go to the executor in its [p, v, L/(p*v), ...] layout. Eval runs
   the executor's F ticks only (`pipeline_loss`), so it works on every mesh training works on.
 """
 
@@ -22,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import model as model_lib
 from parallax import sharding
-from parallax.parallel.manual import shard_loss
+from parallax.parallel.manual import DENSE, MODEL_AXES, shard_loss
+from parallax.plan import abstract_batch
 from parallax.pipeline import executor
 
 
@@ -68,50 +70,121 @@ class LossPath:
                 return model_lib.loss_sum(nnx.merge(plan.graphdef, p), b, plan.remat, plan.parallelism)
             return shard_loss(per_rank, plan.parallelism, self.mesh, plan.logical)(params, batch)
         with sharding.activation_sharding(self.mesh, plan.rules):
-            return model_lib.loss_sum(nnx.merge(plan.graphdef, params), batch, plan.remat)
+            return model_lib.loss_sum(nnx.merge(plan.graphdef, params), batch, plan.remat, plan.parallelism)
 
     # --- pipelined ------------------------------------------------------------------------------------
+
+    def _pipeline_parts(self):
+        """(keys of the non-block parameter leaves `embed` reads, those `loss` reads), as flat paths."""
+        if getattr(self, "_parts", None) is None:
+            plan, mb = self.plan, zero_row_batch(self.plan)
+            rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
+            no_blocks = plan.abstract_params["blocks"]
+
+            def model(p):
+                return nnx.merge(plan.graphdef, {**p, "blocks": no_blocks})
+            x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
+            self._parts = (_leaves_read(lambda p: model(p).embed(mb, DENSE), rest),
+                           _leaves_read(lambda p: model(p).loss(jnp.zeros(x.shape, x.dtype), mb, DENSE), rest))
+        return self._parts
+
+    def _stage_parallelism(self):
+        """What the stages run with: FSDP shards gathered per layer inside the stage (`par.weight`) when the
+        model reads its weights through `par.weight` (it declares `parallel_axes`) and every axis its block
+        weights are sharded over, besides seq / tensor, is a batch axis; else the weights enter whole over
+        those axes (the compiler gathers them once per step, before the region)."""
+        plan = self.plan
+        specs = jax.tree.leaves(plan.parallelism.param_specs(plan.logical["blocks"]))
+        gathered = {a for s in specs for e in s[1:] for a in sharding.spec_axes(e)} - set(MODEL_AXES)
+        if plan.model_class.parallel_axes and gathered <= set(plan.batch_axes):
+            return plan.parallelism
+        return plan.parallelism.model_axes_only()
 
     def _pipeline_args(self, params, batch) -> dict:
         """The executor's functions, parameters, inputs and specs for the model.
 
         With tensor / sequence parallelism every stage runs per rank as in `shard_loss`: weights split over
         `tensor`, microbatch arrays [rows, T/s] (Ulysses; the plan rejects ring), residual stream
-        [rows, T/(s*t), D] -- also between pipeline ranks. The weights enter whole over FSDP (the compiler
-        gathers them once per step, outside the loop).
+        [rows, T/(s*t), D] -- also between pipeline ranks. Stage weights stay sharded over FSDP inside the
+        region (ZeRO-3 within a stage): `par.weight` all-gathers one layer at a time in the forward and
+        again in the backward, and its transpose reduce-scatters the layer's gradient into an accumulator
+        that stays 1/fsdp the size. The first / last stage parts (embedding, head) enter whole over FSDP
+        (the compiler gathers them once per step, outside the loop).
         """
         plan, schedule = self.plan, self.plan.schedule
-        par = plan.parallelism.model_axes_only()
+        par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
+        stage_par = self._stage_parallelism()
         rest = {k: v for k, v in params.items() if k != "blocks"}
         no_blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), plan.abstract_params["blocks"])
         blocks_graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
 
+        unread = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
+
         def model(rest_params):  # the embedding / head parts of the model; its blocks are never called
+            # A stage gets only the leaves it reads (`_pipeline_parts`); the others are placeholders.
+            rest_params = jax.tree.map(lambda a, x: a if x is None else x, unread, rest_params)
             return nnx.merge(plan.graphdef, {**rest_params, "blocks": no_blocks})
 
         def first_fn(rest_params, mb):
             return model(rest_params).embed(mb, par)
 
         def stage_fn(chunk, x, mb):
-            return model_lib.apply_blocks(blocks_graphdef, chunk, x, mb, plan.remat, par)
+            return model_lib.apply_blocks(blocks_graphdef, chunk, x, mb, plan.remat, stage_par)
 
         def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
             return model(rest_params).loss(x, mb, par)
 
+        first_keys, last_keys = self._pipeline_parts()
         rest_specs = par.param_specs({k: v for k, v in plan.logical.items() if k != "blocks"})
         # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
-        stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), par.param_specs(plan.logical["blocks"]))
+        stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), stage_par.param_specs(plan.logical["blocks"]))
         return dict(
             first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
-            params={"first": rest, "stages": executor.to_pipeline_layout(params["blocks"], schedule),
-                    "last": rest},
+            params={"first": _subtree(rest, first_keys), "stages": executor.to_pipeline_layout(params["blocks"], schedule),
+                    "last": _subtree(rest, last_keys)},
             inputs=self.split_microbatches(batch, schedule.num_microbatches), mesh=self.mesh,
-            batch_axes=plan.batch_axes, param_specs={"first": rest_specs, "stages": stage_specs, "last": rest_specs},
+            batch_axes=plan.batch_axes, param_specs={"first": _subtree(rest_specs, first_keys), "stages": stage_specs,
+                                                     "last": _subtree(rest_specs, last_keys)},
             input_spec=P("seq") if par.seq > 1 else P())
 
     def _pipeline_sum_and_grads(self, params, batch):
         schedule = self.plan.schedule
         loss, grads = executor.pipeline_value_and_grad(
             schedule, remat=bool(self.plan.config.pipeline.remat), **self._pipeline_args(params, batch))
-        rest_grads = jax.tree.map(jnp.add, grads["first"], grads["last"])
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        rest_grads = _combine(rest, grads["first"], grads["last"])
         return loss, {**rest_grads, "blocks": executor.from_pipeline_layout(grads["stages"], schedule)}
+
+
+def zero_row_batch(plan) -> dict:
+    """A one-row batch of zeros shaped like the training batch (to trace what a stage reads)."""
+    return jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), abstract_batch(plan.config))
+
+
+def _paths(tree) -> list:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _leaves_read(fn, tree) -> frozenset:
+    """Paths of the leaves of `tree` that `fn(tree)` reads: the inputs of its jaxpr that any equation or
+    output uses (traced with the dense code; a model reads the same parameters under every layout)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
+    used = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars} | {id(v) for v in closed.jaxpr.outvars}
+    return frozenset(path for path, var in zip(_paths(tree), closed.jaxpr.invars) if id(var) in used)
+
+
+def _subtree(tree, keep: frozenset):
+    """`tree` with the leaves at paths outside `keep` replaced by None (no leaf: the executor holds nothing
+    for them; `_pipeline_args.model` fills abstract placeholders where the stage function merges the model)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [x if path in keep else None for path, x in zip(_paths(tree), leaves)])
+
+
+def _combine(rest, first, last):
+    """Gradient of the non-block parameters: first + last where both read a leaf, zeros where neither."""
+    def one(p, f, l):
+        if f is None and l is None:
+            return jnp.zeros(p.shape, jnp.float32)
+        return f if l is None else l if f is None else f + l
+    return jax.tree.map(one, rest, first, last, is_leaf=lambda x: x is None)

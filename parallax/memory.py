@@ -7,20 +7,50 @@ device: parameters, optimizer state, gradients (fp32, sharded like the parameter
 peak is XLA's arguments + outputs + temporaries - aliased (the donated state is updated in place).
 
 On simulated CPU devices the figures are the CPU compiler's: the same program and shardings as on a GPU
-or TPU, but another compiler's fusion and scheduling, so temporaries can differ from a TPU's.
+or TPU, but another compiler's fusion and scheduling, so temporaries can differ from a TPU's. On
+`tpu_devices(topology)`, compile-only devices of a TPU slice that libtpu describes without a TPU, they are
+the TPU compiler's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import re
 
 import jax
 
+from parallax.config import ConfigError
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
 
 GIB = 2**30
+# HBM per device, GiB: per chip from the Cloud TPU system-architecture pages (v4, v5e, v5p, v6e; they write
+# "GB" for what the chips report in GiB); v3 exposes each of its chip's two TensorCores, 16 GiB each.
+TPU_HBM_GIB = {"v3": 16, "v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+_MEGACORE = ("v4", "v5p")  # one device per chip (its two TensorCores as one), as JAX sees a real v4 / v5p
+
+
+def tpu_generation(topology: str) -> str:
+    """'v5p:4x4x4' -> 'v5p'."""
+    return re.split("[:=_]", topology, maxsplit=1)[0]
+
+
+def tpu_devices(topology: str) -> list:
+    """Compile-only devices of the TPU slice `topology` (e.g. 'v5p:4x4x4', 'v5e:4x4', 'v4:2x2x2'), one per
+    chip (per TensorCore on v3), as JAX sees them on the slice: jit compiles for them with libtpu's TPU
+    compiler on any machine, no TPU needed."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError(f"--topology={topology} needs libtpu: pip install -e '.[tpu]' (Python 3.12, newest jax)")
+    from jax.experimental import topologies
+
+    megacore = {"chip_config_name": "megacore"} if tpu_generation(topology) in _MEGACORE else {}
+    try:
+        return list(topologies.get_topology_desc(topology, platform="tpu", **megacore).devices)
+    except jax.errors.JaxRuntimeError as e:
+        raise ConfigError(f"--topology={topology}: {str(e).splitlines()[0]}; e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2, "
+                          f"v6e:2x2") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +97,10 @@ def memory_report(config, devices=None) -> MemoryReport:
     state = trainer.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding)
              for k, a in abstract_batch(config).items()}
-    memory = trainer.train_step.lower(state, batch).compile().memory_analysis()
+    # XLA:TPU stops at its first estimate over the chip's HBM; this lets it finish, so a step that does not
+    # fit still gets its full figures.
+    options = {"xla_tpu_no_crash_on_oom": True} if devices[0].platform == "tpu" else None
+    memory = trainer.train_step.lower(state, batch).compile(compiler_options=options).memory_analysis()
     params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)
     grads = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s in
                 zip(jax.tree.leaves(trainer.abstract_params), jax.tree.leaves(trainer.param_shardings)))
@@ -84,9 +117,14 @@ def advice(config, report: MemoryReport, hbm_bytes: float) -> list[str]:
     """What to change when the step does not fit, largest lever first."""
     out = []
     if report.xla_temp > report.xla_arguments:
-        if config.train.microbatches == 1 and config.mesh.pipe == 1:
-            out.append("activations dominate: raise train.microbatches (gradient accumulation) so each "
-                       "microbatch's activations fit")
+        if config.mesh.pipe != 1:
+            out.append(f"activations dominate: raise pipeline.microbatches (now {config.pipeline.microbatches}) "
+                       f"so each microbatch in flight through the stages is smaller")
+            if not config.pipeline.remat:
+                out.append("set pipeline.remat=True to recompute each stage's activations in the backward")
+        else:
+            out.append(f"activations dominate: raise train.microbatches (now {config.train.microbatches}; "
+                       f"gradient accumulation) so each microbatch's activations fit")
         if config.model.remat == "none":
             out.append("set model.remat=full (or dots) to recompute activations in the backward")
     if report.xla_arguments > 0.5 * hbm_bytes:

@@ -12,7 +12,8 @@ A model is a Flax NNX module that subclasses `Model` and has four parts:
    block on a one-layer slice of them. parallax runs the stack with one `lax.scan` (`apply_blocks`) and
    cuts it into pipeline stages.
 4. **A head and loss part**: `logits(x, par)`, and `loss(x, batch, par)`, the weighted loss summed over
-   this rank's tokens (default: cross-entropy of `logits` via `par.cross_entropy`).
+   this rank's tokens (default: cross-entropy of `logits` via `par.cross_entropy`, in sequence chunks via
+   `par.chunked`, which assumes `logits` treats each token on its own).
 
 `batch` is a dict of [B, T] arrays: `inputs`, `targets`, `weights` (0 for padding), `segment_ids` (packed
 documents) and `positions` (within each document).
@@ -27,11 +28,12 @@ the model adds to the rules table).
 by sharding its annotated weights and activations with the compiler. A model that declares "tensor"
 and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its parallel points:
 
-    par.weight(var)                   the parameter as this rank uses it (FSDP shards gathered)
+    par.weight(var, dtype=None)       the parameter as this rank uses it (FSDP shards gathered in `dtype`)
     par.embed(table_param, tokens, dtype)   (vocabulary-parallel) embedding lookup of an nnx.Param table
     par.gather_seq(x), par.scatter_seq(y), par.split_seq(x)   sequence-parallel boundaries over `tensor`
     par.attention(q, k, v, segment_ids, positions)            dense, Ulysses or ring attention
     par.cross_entropy(logits, batch)  (vocabulary-parallel) weighted cross-entropy sum
+    par.chunked(fn, x, batch)         a per-token sum over sequence chunks, each recomputed in the backward
     par.tensor, par.seq               the axis sizes
 
 `sharding.constrain(x, names)` annotates activations for the compiler (a no-op inside the manual region).
@@ -50,7 +52,7 @@ import ml_collections
 from flax import nnx
 
 from parallax.config import ConfigError
-from parallax.parallel.manual import DENSE, Parallelism
+from parallax.parallel.manual import DENSE, GATHERED, Parallelism
 from parallax.parallel.sequence import check_sequence_parallel
 from parallax.sharding import constrain
 
@@ -65,6 +67,8 @@ GENERIC_KEYS = {
     "dtype": "float32",  # compute dtype: float32 or bfloat16 (parameters stay float32)
     "remat": "none",  # none | full | dots: rematerialisation of each block in the backward
     "attention": "dense",  # dense | ulysses | ring: attention over mesh.seq > 1
+    "attention_block": 512,  # blockwise attention tile, tokens (0: the reference with [T, T] logits)
+    "loss_chunk": 1024,  # sequence positions per cross-entropy chunk (0: all logits at once)
 }
 EXPLICIT_AXES = ("tensor", "seq")  # mesh axes that need the model's help (`parallel_axes`)
 
@@ -96,8 +100,14 @@ class Model(nnx.Module):
         raise NotImplementedError(f"{type(self).__name__} must define logits(x, par)")
 
     def loss(self, x, batch, par: Parallelism = DENSE):
-        """Weighted loss summed over this rank's tokens (not over the batch axes or `seq`)."""
-        return par.cross_entropy(self.logits(x, par), batch)
+        """Weighted loss summed over this rank's tokens (not over the batch axes or `seq`).
+
+        The cross-entropy of `logits`, taken in chunks of `model.loss_chunk` positions (`par.chunked`) so
+        only one chunk's [B, chunk, V] fp32 logits is ever live; this needs `logits` to treat every token
+        on its own (norm + head do). Override it for any other loss. The head's FSDP shards are gathered once
+        before the chunks (`par.gathered`), not once per chunk."""
+        model, p = par.gathered(self), par.model_axes_only()
+        return par.chunked(lambda xc, bc: p.cross_entropy(model.logits(xc, p), bc), x, batch)
 
 
 def check_attention_split(model_config, sizes, seq_len: int, num_heads: int, num_kv_heads: int,
@@ -176,6 +186,18 @@ _REMAT_POLICIES = {
 REMAT_CHOICES = ("none", *_REMAT_POLICIES)
 
 
+def _all_but_gathered(prim, *_, **params) -> bool:
+    """remat='none': save every intermediate but the FSDP-gathered weights, which the backward gathers again
+    (ZeRO-3). They are the values `par.weight` names `GATHERED`, and the outputs of the custom-VJP gather
+    that produces them (a `custom_vjp_call` whose primal holds an all_gather)."""
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    if prim.name.startswith("custom_vjp_call") and params.get("call_jaxpr") is not None:
+        jaxpr = params["call_jaxpr"]
+        return not any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
+    return True
+
+
 def apply_blocks(blocks_graphdef, stacked, x, batch, remat: str = "none", par: Parallelism = DENSE):
     """Runs the blocks whose parameters are `stacked` (a pure dict, leading dim = layers) with one scan.
 
@@ -184,8 +206,7 @@ def apply_blocks(blocks_graphdef, stacked, x, batch, remat: str = "none", par: P
     def body(h, layer_params):
         return nnx.merge(blocks_graphdef, layer_params).layer(h, batch, par), None
 
-    if remat != "none":
-        body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES.get(remat, _all_but_gathered), prevent_cse=False)
     x, _ = jax.lax.scan(body, x, stacked)
     return x
 

@@ -21,7 +21,7 @@ from parallax import mesh as mesh_lib
 from parallax import model as model_lib
 from parallax import sharding
 from parallax.config import ConfigError
-from parallax.parallel.manual import DENSE, Parallelism
+from parallax.parallel.manual import Parallelism
 from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, validate
 
 DTYPES = ("float32", "bfloat16")
@@ -44,7 +44,7 @@ class Plan:
     graphdef: object  # nnx graph of the model
     abstract_params: dict  # pure dict of ShapeDtypeStructs
     logical: dict  # the same tree of logical-name tuples
-    parallelism: Parallelism  # what the model's parallel points get: DENSE unless tensor / seq / pipe > 1
+    parallelism: Parallelism  # what the model's parallel points get; a region only with tensor / seq / pipe > 1
     schedule: Schedule | None  # the pipeline schedule when sizes['pipe'] > 1
 
     @property
@@ -98,10 +98,11 @@ def make_plan(config, num_devices: int) -> Plan:
     abstract_params = nnx.to_pure_dict(abstract_state)
     _check_params(config, sizes, rules, abstract_params, logical)
     _check_explicit_rules(sizes, rules, logical)
-    par = DENSE
+    kernels = dict(attention_block=int(config.model.attention_block), loss_chunk=int(config.model.loss_chunk))
+    par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding
     if sizes["tensor"] > 1 or sizes["seq"] > 1 or schedule is not None:
         par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], attention_kind=config.model.attention,
-                          mesh_shape=tuple(sizes.items()), rules=tuple(rules.items()))
+                          mesh_shape=tuple(sizes.items()), rules=tuple(rules.items()), **kernels)
     return Plan(config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls,
                 model_config=model_config, graphdef=graphdef, abstract_params=abstract_params, logical=logical,
                 parallelism=par, schedule=schedule)
@@ -130,6 +131,9 @@ def _check_generic(config, sizes):
     for key, valid in choices:
         if m[key] not in valid:
             raise ConfigError(f"config.model.{key}={m[key]!r}: expected one of {', '.join(valid)}")
+    for key in ("attention_block", "loss_chunk"):
+        if int(m[key]) < 0:
+            raise ConfigError(f"config.model.{key}={m[key]}: must be >= 0 (0 turns it off)")
     for key in ("steps", "global_batch_size", "seq_len", "log_every", "keep_checkpoints", "microbatches"):
         if int(t[key]) <= 0:
             raise ConfigError(f"config.train.{key}={t[key]}: must be >= 1")

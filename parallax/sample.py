@@ -7,14 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from parallax.model import forward
+from parallax.model import DENSE, GENERIC_KEYS, Parallelism, forward
 
 
 def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int, *, temperature: float = 0.8,
-             seed: int = 0) -> np.ndarray:
+             seed: int = 0, par: Parallelism = DENSE) -> np.ndarray:
     """Samples `num_tokens` after `prompt` (1-D int array) with a sliding window of `seq_len` tokens.
 
-    `graphdef` / `params` are any `parallax.model.Model`'s (run through the contract: embed, blocks, logits).
+    `graphdef` / `params` are any `parallax.model.Model`'s (run through the contract: embed, blocks, logits);
+    `par` a one-device `Parallelism` (the plan's: its attention block size).
     """
 
     @jax.jit
@@ -23,7 +24,7 @@ def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int
         positions = jnp.arange(seq_len)[None]  # (1, S)
         segment_ids = (positions < length).astype(jnp.int32)  # real tokens are segment 1, the rest padding
         batch = {"inputs": window[None], "segment_ids": segment_ids, "positions": positions}
-        logits = model.logits(forward(model, batch))[0, length - 1]  # (V,)
+        logits = model.logits(forward(model, batch, par=par), par)[0, length - 1]  # (V,)
         if temperature <= 0:
             return jnp.argmax(logits)
         return jax.random.categorical(key, logits / temperature)
@@ -51,6 +52,9 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; train first (make train)")
     config = config_from_json(path.read_text())
+    with config.unlocked():
+        for key, default in GENERIC_KEYS.items():  # a workdir written before the key existed
+            config.model.setdefault(key, default)
     for axis in config.mesh:
         config.mesh[axis] = 1
     trainer = Trainer(config, devices=jax.devices()[:1])
@@ -62,7 +66,7 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
     checkpointer.close()
     data = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size
     tokens = generate(trainer.graphdef, params, data, num_tokens or config.train.sample_tokens,
-                      config.train.seq_len, temperature=temperature)
+                      config.train.seq_len, temperature=temperature, par=trainer.plan.parallelism)
     if config.data.source == "text":
         text = bytes(int(t) for t in tokens if t < 256).decode("utf-8", errors="replace")
         return f"step {step} sample:\n{prompt}{text}"

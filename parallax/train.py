@@ -62,6 +62,8 @@ def evaluate(trainer: Trainer, params, dataset, num_batches: int) -> float:
 
 
 _MUST_MATCH_ON_RESUME = ("model", "data", "optim", "train.seed", "train.global_batch_size", "train.seq_len")
+# Memory knobs that do not change the math (blockwise attention and the chunked loss are exact).
+_MAY_CHANGE_ON_RESUME = ("model.attention_block", "model.loss_chunk")
 
 
 def _flatten(d, prefix=""):
@@ -77,13 +79,13 @@ def _flatten(d, prefix=""):
 def check_resume(config, saved_json: str) -> None:
     """Raises ConfigError if `config` changes a key that an exact resume depends on (vs the saved config).
 
-    The mesh, the pipeline and logging keys may change; the model, data, optimizer, seed, batch and
-    sequence length may not. `train.steps` may grow only when `optim.decay_steps` fixes the LR schedule.
+    The mesh, the pipeline, logging keys and the memory knobs `model.attention_block` / `model.loss_chunk`
+    may change; the rest of the model, data, optimizer, seed, batch and sequence length may not. `train.steps` may grow only when `optim.decay_steps` fixes the LR schedule.
     """
     saved = _flatten(json.loads(saved_json))
     now = _flatten(json.loads(config.to_json_best_effort()))
-    keys = [k for k in now if k.startswith(tuple(p + "." for p in ("model", "data", "optim")))
-            or k in _MUST_MATCH_ON_RESUME]
+    keys = [k for k in now if (k.startswith(tuple(p + "." for p in ("model", "data", "optim")))
+                               or k in _MUST_MATCH_ON_RESUME) and k not in _MAY_CHANGE_ON_RESUME]
     if "model.name" not in saved:
         raise ConfigError("config.model.name: the checkpoint in this workdir was written before models were named "
                           "in the config (and with other parameter names); use a new --workdir")

@@ -1,6 +1,8 @@
 """launch/plan.py and parallax.memory: XLA's per-device memory of the compiled train step, the analytic
-estimate beside it, and the fits / does-not-fit contract."""
+estimate beside it, and the fits / does-not-fit contract, on simulated CPU devices and (with libtpu) for a
+TPU topology."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import jax
 import pytest
 
 from helpers import ROOT, tiny_config
-from parallax.memory import memory_report
+from parallax.memory import MemoryReport, advice, memory_report
 
 
 @pytest.mark.parametrize("mesh", [dict(data=8), dict(fsdp=8), dict(pipe=2, fsdp=2, data=2), dict(tensor=2, fsdp=4)],
@@ -46,7 +48,60 @@ def test_plan_says_whether_it_fits_on_the_last_line_and_in_the_exit_status():
     assert inferred.returncode == 2 and "pass --devices=N" in inferred.stderr
 
 
+def test_plan_compiles_for_a_tpu_topology_and_checks_the_mesh_against_its_devices():
+    pytest.importorskip("libtpu")
+    args = [f"--config={ROOT}/configs/tiny.py", "--topology=v5p:2x2x1"]
+    run = _plan(*args, "--config.mesh.data=2", "--config.mesh.fsdp=2")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "4 x TPU v5 (--topology=v5p:2x2x1, compiled by XLA:TPU" in run.stdout
+    assert run.stdout.strip().splitlines()[-1].endswith("hbm_gib=95 fits=yes")  # v5p's HBM by default
+    mismatched = _plan(*args, "--config.mesh.data=8")
+    assert mismatched.returncode == 2
+    assert "(4 devices)" in mismatched.stderr and "has 8 devices" in mismatched.stderr
+
+
+def test_plan_for_a_tpu_topology_without_libtpu_says_how_to_install_it():
+    if importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("libtpu is installed")
+    run = _plan(f"--config={ROOT}/configs/tiny.py", "--topology=v5p:2x2x1", "--config.mesh.data=-1")
+    assert run.returncode == 2 and "pip install -e '.[tpu]'" in run.stderr
+
+
+def test_advice_for_activations_names_the_pipeline_knobs_when_pipelined():
+    report = MemoryReport(params=1, optimizer=1, gradients=1, batch=1, xla_arguments=10, xla_outputs=10,
+                          xla_aliased=10, xla_temp=100)
+    piped = advice(tiny_config(pipe=2, data=4), report, hbm_bytes=50)
+    assert any("pipeline.microbatches" in a for a in piped) and any("pipeline.remat" in a for a in piped)
+    assert not any("train.microbatches" in a for a in piped)
+    assert any("train.microbatches" in a for a in advice(tiny_config(data=8), report, hbm_bytes=50))
+
+
 @pytest.mark.slow
 def test_gpt2_small_fits_8_devices_of_80_gb():
     run = _plan(f"--config={ROOT}/configs/gpt2_small.py", "--devices=8", "--hbm_gib=80")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_70b_pp"])
+def test_llama3_configs_fit_80_gb_devices_by_xla_memory_analysis(name):
+    """Each real-hardware config, bf16, on as many simulated devices as its mesh names (8, 64, 64)."""
+    run = _plan(f"--config={ROOT}/configs/{name}.py", "--hbm_gib=80")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1].endswith("hbm_gib=80 fits=yes")
+    rows = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in run.stdout.splitlines()
+            if line.startswith("| ") and line.split("|")[2].strip()[:1].isdigit()}
+    assert abs(rows["state + batch (analytic)"] - rows["XLA arguments"]) <= 0.15 * rows["XLA arguments"]
+
+
+@pytest.mark.slow
+def test_llama3_8b_at_maxtexts_setting_fits_a_v5p_chip_by_the_tpu_compiler():
+    """MaxText 0.2.5's train_compile for this model, topology, batch and mesh needs 58.6 GiB per chip: fsdp 16 x
+    tensor 4 on v5p:4x4x4, 8 sequences of 8192 per chip, remat full, no accumulation."""
+    pytest.importorskip("libtpu")
+    run = _plan(f"--config={ROOT}/configs/llama3_8b.py", "--topology=v5p:4x4x4", "--config.mesh.fsdp=16",
+                "--config.mesh.tensor=4", "--config.train.global_batch_size=512", "--config.train.microbatches=1")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    print(last)
+    assert last.endswith("hbm_gib=95 fits=yes")

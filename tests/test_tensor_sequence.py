@@ -85,6 +85,7 @@ HLO_MESHES = [
 def test_layer_collectives_in_compiled_hlo_match_design(mesh):
     config = _config(**mesh)
     config.model.vocab_size = 128  # a size no other dimension has, to spot logits
+    config.model.loss_chunk = 0  # the layer loops only (the chunked loss is checked below)
     n = config.mesh.tensor * config.mesh.seq
     trainer = Trainer(config, devices=jax.devices()[:n])
     batch = trainer.device_batch(make_dataset(config).batch(0))
@@ -99,6 +100,27 @@ def test_layer_collectives_in_compiled_hlo_match_design(mesh):
         for shape in shapes:
             assert not (len(shape) >= 2 and shape[-1] == 128 and math.prod(shape[:-1]) >= 128), (op, shape)
             assert math.prod(shape) < tokens * 128 // config.mesh.tensor, (op, shape)
+
+
+def test_chunked_vocab_parallel_loss_adds_one_loop_each_way_with_per_chunk_collectives():
+    """loss_chunk=8 on T=32 with tensor=2: a 4-step loop in the forward and one in the backward. Per chunk the
+    forward gathers the stream over `tensor` and all-reduces two per-token statistics (max, sum-exp|target);
+    the backward recomputes that and reduce-scatters the stream's gradient. No logits cross ranks."""
+    config = _config(tensor=2)
+    config.model.update(vocab_size=128, loss_chunk=8)
+    trainer = Trainer(config, devices=jax.devices()[:2])
+    batch = trainer.device_batch(make_dataset(config).batch(0))
+    compiled = trainer.loss_and_grads.lower(jax.eval_shape(trainer.init_state)["params"], batch).compile()
+    full = dict.fromkeys(hlo.COLLECTIVES, 0)
+    layers = {**full, **_tp(2)}
+    loss_fwd = {**full, "all-gather": 1, "all-reduce": 2}
+    loss_bwd = {**full, "all-gather": 1, "all-reduce": 2, "reduce-scatter": 1}
+    found = hlo.loop_body_collectives(compiled)
+    print(found)
+    assert sorted(map(str, found)) == sorted(map(str, [layers, layers, loss_fwd, loss_bwd]))
+    for op, shapes in hlo.collective_shapes(compiled):
+        for shape in shapes:
+            assert not (len(shape) >= 2 and shape[-1] == 128 and math.prod(shape[:-1]) >= 128), (op, shape)
 
 
 @pytest.mark.parametrize("mesh,model,train,match", [

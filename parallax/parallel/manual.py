@@ -33,17 +33,24 @@ With tensor == seq == 1 the model runs its dense code (`DENSE`) under the compil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 
+from absl import logging
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from parallax.parallel import sequence, tensor, vocab
-from parallax.sharding import constrain, is_logical_names, logical_to_spec, spec_axes
+from parallax.parallel import flash, sequence, tensor, vocab
+from parallax.sharding import constrain, is_logical_names, logical_to_spec, param_logical_names, spec_axes
 
 # Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
 MODEL_AXES = ("seq", "tensor")
+# The name of gathered weights: `apply_blocks` never saves them for the backward (it gathers them again), or
+# every layer's full weights would stay live until the backward, undoing FSDP.
+GATHERED = "parallax_fsdp_gathered"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +58,8 @@ class Parallelism:
     """How the manual region splits the model. `DENSE` (the default) means no region: plain dense code.
 
     `mesh_shape` and `rules` are ((name, value), ...) tuples so the description stays immutable.
+    `attention_block` and `loss_chunk` (`config.model` keys of the same names) bound the two big
+    activations of a language model; they apply with or without a region.
     """
 
     tensor: int = 1
@@ -58,6 +67,8 @@ class Parallelism:
     attention_kind: str = "dense"  # dense | ulysses | ring
     mesh_shape: tuple = ()
     rules: tuple = ()
+    attention_block: int = 512  # blockwise attention tile (0: the reference, [T, T] logits)
+    loss_chunk: int = 1024  # sequence positions per cross-entropy chunk (0: the whole sequence at once)
 
     @property
     def manual(self) -> bool:
@@ -70,21 +81,36 @@ class Parallelism:
         """A params tree of logical names -> the tree of their PartitionSpecs (`spec` of each)."""
         return jax.tree.map(self.spec, logical, is_leaf=is_logical_names)
 
-    def unshard(self, w, names):
+    def unshard(self, w, names, dtype=None):
         """All-gathers the dims of weight `w` (logical `names`) sharded over non-model axes, e.g. FSDP's
-        `embed -> fsdp`; the `tensor` split stays. Identity for `DENSE`. Its gradient is a reduce-scatter."""
+        `embed -> fsdp`; the `tensor` split stays. Identity for `DENSE`. Its gradient is a reduce-scatter.
+        With `dtype` the shard is cast first, so the gather moves (and the layer holds) `dtype` bytes; the
+        gradient is still reduce-scattered in fp32 and cast back (`_gather_cast`)."""
+        w_dtype = jnp.dtype(w.dtype)  # the gradient's dtype, however many dims are gathered
         for dim, entry in enumerate(self.spec(names) if self.mesh_shape else ()):
             gather = tuple(a for a in spec_axes(entry) if a not in MODEL_AXES)
             if gather:
-                w = jax.lax.all_gather(w, gather, axis=dim, tiled=True)
-        return w
+                w = checkpoint_name(_gather_cast(w, gather, dim, jnp.dtype(dtype or w.dtype), w_dtype), GATHERED)
+        return w if dtype is None else w.astype(dtype)
 
-    def weight(self, var):
+    def weight(self, var, dtype=None):
         """The value of parameter `var` as this rank uses it: FSDP shards gathered (`unshard`), the `tensor`
-        split kept. Inside the layer scan `var` is one layer's slice, so its leading `layers` name is dropped."""
+        split kept, cast to `dtype` if given (before the gather: half the bytes moved for bf16). Inside the
+        layer scan `var` is one layer's slice, so its leading `layers` name is dropped."""
         value = var[...]
         names = tuple(var.get_metadata()["logical"])
-        return self.unshard(value, names[len(names) - value.ndim:])
+        return self.unshard(value, names[len(names) - value.ndim:], dtype)
+
+    def gathered(self, module):
+        """`module` with each parameter outside `blocks` gathered once (`unshard`), to be used with
+        `model_axes_only()`: for a loop that reads the same weights every step (the chunked loss), so the
+        gather and its gradient's reduce-scatter run once, not once per chunk. Identity without a region."""
+        if not self.mesh_shape:
+            return module
+        graphdef, state = nnx.split(module)
+        values, names = nnx.to_pure_dict(state), param_logical_names(state)
+        values = {k: v if k == "blocks" else jax.tree.map(self.unshard, v, names[k]) for k, v in values.items()}
+        return nnx.merge(graphdef, values)
 
     def gather_seq(self, x):
         """[B, T/(s*t), D] -> [B, T/s, D] (all-gather over `tensor`); identity when tensor == 1."""
@@ -119,12 +145,53 @@ class Parallelism:
         """Causal attention within packed documents on this rank's heads: dense when seq == 1, else Ulysses
         or ring over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) -> [B, T/s, H/t, Dh]."""
         if self.seq == 1:
-            return sequence.attention_reference(q, k, v, segment_ids, segment_ids, positions, positions)
+            return self._attend(q, k, v, segment_ids, segment_ids, positions, positions)
         if self.attention_kind == "ulysses":
-            return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq")
+            return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend)
         if self.attention_kind == "ring":
+            _log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised)")
             return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq")
         raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses' or 'ring'")
+
+    def _attend(self, q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+        """Full-sequence attention on local heads: blockwise (`attention_block` > 0) or the reference."""
+        if self.attention_block:
+            _log_once(f"attention kernel: blockwise, {self.attention_block}-token tiles (parallax.parallel.flash)")
+            return flash.blockwise_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                                             block=self.attention_block)
+        _log_once("attention kernel: reference ([T, T] logits; model.attention_block=0)")
+        return sequence.attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+
+    def chunked(self, fn, x, batch):
+        """sum over sequence chunks of `fn(x_chunk, batch_chunk)`, each chunk rematerialised in the backward.
+
+        For a loss whose intermediates are big per token (the logits): only one chunk of them is live, in
+        the forward and in the backward. x is this rank's [B, T/(s*t), ...] stream, batch arrays [B, T/s].
+        A chunk is about `loss_chunk` positions of [B, T/s] (after `gather_seq`): the local length is cut
+        into n = ceil(T/(s*t) / (loss_chunk/t)) equal chunks, padded at the end with weight-0 positions when
+        n does not divide it. With tensor > 1, chunk j of x gathered over `tensor` is rank r's positions
+        j*c.. of its slice for every r, so the batch chunk is the same positions of each rank's slice.
+        `fn` must treat tokens independently (norm + head + cross-entropy do) and return a sum.
+        """
+        t, tl = self.tensor, x.shape[1]
+        want = max(1, self.loss_chunk // t)  # positions of x per chunk
+        if not self.loss_chunk or want >= tl:
+            return fn(x, batch)
+        n = -(-tl // want)
+        c = -(-tl // n)
+        pad = n * c - tl
+
+        def split(a, per_rank):  # [B, per_rank * tl, ...] -> [n, B, per_rank * c, ...], padded with zeros
+            a = a.reshape(a.shape[0], per_rank, tl, *a.shape[2:])
+            a = jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))  # weights 0: no loss
+            a = a.reshape(a.shape[0], per_rank, n, c, *a.shape[3:])
+            return jnp.moveaxis(a, 2, 0).reshape(n, a.shape[0], per_rank * c, *a.shape[4:])
+
+        def one(_, xs):
+            return None, fn(*xs)
+        one = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable)
+        _, sums = jax.lax.scan(one, None, (split(x, 1), jax.tree.map(lambda a: split(a, t), batch)))
+        return sums.sum()
 
     def cross_entropy(self, logits, batch):
         """Weighted cross-entropy summed over this rank's tokens (not yet over the batch axes or `seq`):
@@ -141,8 +208,9 @@ class Parallelism:
         return jax.lax.psum(x, axes) if axes else x
 
     def model_axes_only(self) -> "Parallelism":
-        """This description for a region whose weights enter whole over every axis but `seq` / `tensor`
-        (the pipeline's stages: the compiler gathers FSDP shards once per step, outside the region).
+        """This description for weights that are whole over every axis but `seq` / `tensor`: the pipeline's
+        first / last parts (the compiler gathers their FSDP shards once per step, outside the region), and
+        weights already `gathered`.
         `spec` then names only those axes and `unshard` is the identity; `sum_tokens` is not for it."""
         return dataclasses.replace(
             self, mesh_shape=tuple((a, n if a in MODEL_AXES else 1) for a, n in self.mesh_shape))
@@ -165,6 +233,33 @@ class Parallelism:
 
 
 DENSE = Parallelism()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather_cast(w, axes, dim, dtype, w_dtype):
+    """all_gather(w.astype(dtype)) over `axes` along `dim`; the gradient is reduce-scattered in fp32 and
+    returned in w's dtype `w_dtype` (a bf16 reduction over many ranks would lose the small gradients)."""
+    return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
+
+
+def _gather_cast_fwd(w, axes, dim, dtype, w_dtype):
+    return _gather_cast(w, axes, dim, dtype, w_dtype), None
+
+
+def _gather_cast_bwd(axes, dim, dtype, w_dtype, _, g):
+    scattered = jax.lax.psum_scatter(g.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+    return (scattered.astype(w_dtype),)  # w_dtype: the original weight's (fp32), also for a second gathered dim
+
+
+_gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.info(message)
 
 
 def _vary(x, spec: P, mesh):

@@ -93,7 +93,7 @@ def attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_
 # Ulysses
 
 
-def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
+def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference):
     """All-to-all sequence <-> heads, full-sequence attention on H/s local heads, all-to-all back.
 
     Local shards: q [B, T/s, H, Dh]; k, v [B, T/s, K, Dh]; segment_ids, positions [B, T/s] (shards in
@@ -124,7 +124,7 @@ def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"
     seg_pos = jnp.stack([segment_ids, positions], axis=-1)  # (B, T/s, 2)
     seg_pos = jax.lax.all_gather(seg_pos, axis_name, axis=1, tiled=True)  # (B, T, 2)
     seg, pos = seg_pos[..., 0], seg_pos[..., 1]  # (B, T) each
-    out = attention_reference(q_h, k_h, v_h, seg, seg, pos, pos)  # (B, T, H/s, Dh)
+    out = attend(q_h, k_h, v_h, seg, seg, pos, pos)  # (B, T, H/s, Dh)
     return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2,
                               tiled=True)  # (B, T/s, H, Dh)
 

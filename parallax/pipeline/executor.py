@@ -32,19 +32,29 @@ def _take_rows(a, idx):
     return a.at[idx].get(out_sharding=NamedSharding(sharding.mesh, P(None, *spec[1:])))
 
 
+def _identity(order) -> bool:
+    return bool((np.asarray(order) == np.arange(len(order))).all())
+
+
 def to_pipeline_layout(stacked, schedule: Schedule):
     """Stacked layer weights (leaves `[L, ...]`) -> executor layout `[p, v, L / (p * v), ...]`.
 
     Stage s holds layers `[s * Lc, (s + 1) * Lc)`; `staged[r, c]` is stage `schedule.stage_of[r, c]`.
+    When rank r's chunk c is stage r * v + c (gpipe, 1f1b, zb_h1) this is a reshape: the layers dim sharded
+    over `pipe` stays where it lives, and no collective moves layer weights. Otherwise (interleaved, zbv)
+    the stages are permuted with a gather, which the partitioner implements by moving the stack.
     """
     p, v = schedule.stage_of.shape
+    order = schedule.stage_of.ravel()
 
     def one(a):
         if a.shape[0] % (p * v):
             raise ValueError(f"{a.shape[0]} layers do not split evenly into {p * v} pipeline stages "
                              f"({p} ranks x {v} chunks); use a layer count divisible by {p * v}")
         stages = a.reshape(p * v, a.shape[0] // (p * v), *a.shape[1:])  # [S, Lc, ...]
-        return _take_rows(stages, schedule.stage_of.ravel()).reshape(p, v, *stages.shape[1:])
+        if not _identity(order):
+            stages = _take_rows(stages, order)
+        return stages.reshape(p, v, *stages.shape[1:])
 
     return jax.tree.map(one, stacked)
 
@@ -54,7 +64,10 @@ def from_pipeline_layout(staged, schedule: Schedule):
     order = np.argsort(schedule.stage_of.ravel())  # flat (r * v + c) of each stage, in stage order
 
     def one(a):
-        return _take_rows(a.reshape(-1, *a.shape[2:]), order).reshape(-1, *a.shape[3:])  # [S, Lc, ...]
+        stages = a.reshape(-1, *a.shape[2:])  # [S, Lc, ...] in rank order
+        if not _identity(order):
+            stages = _take_rows(stages, order)
+        return stages.reshape(-1, *a.shape[3:])
 
     return jax.tree.map(one, staged)
 
@@ -93,7 +106,9 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
     param_specs: optional {'first', 'stages', 'last'} trees of PartitionSpecs (a missing key or None:
       replicated) for model parallelism inside the stages, e.g. `P(None, 'tensor')`; for 'stages' they
       describe the dims after `[p, v]`. The functions then run on these shards, with collectives of
-      their own over the axes the specs (and `input_spec`) name.
+      their own over the axes the specs (and `input_spec`) name. A spec may name a batch axis (FSDP:
+      `P(None, 'fsdp')`): the function all-gathers that weight where it uses it, the gather's transpose
+      reduce-scatters its gradient over the batch shards, and the accumulator stays sharded.
     first_fn(first, mb_inputs) -> x `[rows, ...]`; stage_fn(chunk, x, mb_inputs) -> x (same shape and
       dtype); last_fn(last, x, mb_inputs) -> scalar, normalised so the sum over microbatches, over the
       batch shards and over every other manual axis its value varies over (e.g. `seq` shards of the
@@ -181,10 +196,11 @@ class _Layout:
             specs[key] = jax.tree.unflatten(tree, leaf_specs)
         model_axes = set().union(_axes_of(input_spec), *map(_axes_of, jax.tree.leaves(specs))) - {"pipe"}
         unknown = model_axes - set(mesh.axis_names)
-        if unknown or set(batch) & model_axes:
+        if unknown or set(batch) & _axes_of(input_spec):
             raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
-                             f"{mesh.axis_names} other than pipe and the batch axes {batch}")
-        manual = ("pipe",) + batch + tuple(a for a in mesh.axis_names if a in model_axes and mesh.shape[a] > 1)
+                             f"{mesh.axis_names} other than pipe, and input_spec none of the batch axes {batch}")
+        manual = ("pipe",) + batch + tuple(a for a in mesh.axis_names
+                                           if a in model_axes and a not in batch and mesh.shape[a] > 1)
         return cls(mesh, specs, P(None, batch if batch else None, *input_spec), manual)
 
     def call(self, body, params, inputs, out_specs):

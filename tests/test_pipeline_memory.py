@@ -1,0 +1,69 @@
+"""What the pipeline keeps on a device: stage weights stay where they live (no collective moves the layer
+stack), FSDP shards them inside the stages, and each end stage holds only the parameters it reads.
+
+XLA's own figures of the compiled step on 8 simulated devices (`parallax.memory.memory_report`, HLO text).
+"""
+import math
+
+import jax
+import pytest
+
+from helpers import tiny_config
+from parallax import hlo
+from parallax.loss import LossPath
+from parallax.memory import memory_report
+from parallax.plan import abstract_batch, make_plan
+from parallax.trainer import Trainer
+
+D, F, L = 256, 1024, 4  # big weights, small activations: weight memory dominates
+
+
+def _config(schedule="1f1b", **mesh):
+    config = tiny_config(**mesh)
+    config.model.update(num_layers=L, d_model=D, d_ff=F, num_heads=4, num_kv_heads=2, vocab_size=64)
+    config.train.update(global_batch_size=16, seq_len=16)
+    config.pipeline.update(schedule=schedule, microbatches=4)
+    return config
+
+
+def _compiled(config):
+    trainer = Trainer(config, devices=jax.devices())
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding)
+             for k, a in abstract_batch(config).items()}
+    return trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch).compile()
+
+
+@pytest.mark.parametrize("schedule,fsdp", [("1f1b", 1), ("1f1b", 2), ("zbv", 2)])
+def test_no_collective_moves_the_layer_stack_in_or_out_of_the_pipeline(schedule, fsdp):
+    """No collective is larger than one rank's share of one weight (its stages, its FSDP shard): no
+    all-gather / all-reduce of the stack. 1f1b places stage s on rank s, so the executor layout is a
+    reshape and weights do not move at all; zbv's V placement permutes stages between ranks, which XLA does
+    with collective-permutes of one share each (weights in, gradients out)."""
+    config = _config(schedule, pipe=2, fsdp=fsdp, data=4 // fsdp)
+    stage_share = L * D * F // (2 * fsdp)  # w_gate's elements on one device
+    sizes = [(math.prod(s), op, s) for op, shapes in hlo.collective_shapes(_compiled(config)) for s in shapes]
+    print(sorted(sizes, reverse=True)[:4])
+    assert max(n for n, _, _ in sizes) <= stage_share
+    moved = [n for n, op, _ in sizes if op == "collective-permute" and n >= stage_share // 4]
+    assert bool(moved) == (schedule == "zbv")
+
+
+@pytest.mark.slow
+def test_fsdp_inside_stages_shrinks_weight_and_optimizer_bytes_linearly():
+    reports = {f: memory_report(_config(pipe=2, fsdp=f, data=4 // f), jax.devices()) for f in (1, 2, 4)}
+    for f, r in reports.items():
+        print(f"fsdp={f}: arguments {r.xla_arguments / 2**20:.1f} MiB, temp {r.xla_temp / 2**20:.1f} MiB, "
+              f"peak {r.peak / 2**20:.1f} MiB")
+    state = {f: r.xla_arguments for f, r in reports.items()}
+    assert state[2] < 0.55 * state[1] and state[4] < 0.55 * state[2]
+    # The gathered layer is not kept for the backward, so the step's peak shrinks too.
+    assert reports[4].peak < 0.6 * reports[1].peak
+
+
+@pytest.mark.parametrize("model,first,last", [
+    ("llama", {"['embedding']"}, {"['final_norm']", "['head']"}),
+    ("gpt2", {"['wte']", "['wpe']"}, {"['wte']", "['lnf_scale']", "['lnf_bias']"}),  # tied: wte in both
+])
+def test_first_stage_gets_the_embedding_and_last_stage_the_head_only(model, first, last):
+    plan = make_plan(tiny_config(model, pipe=2, data=4), 8)
+    assert LossPath(plan, None)._pipeline_parts() == (frozenset(first), frozenset(last))
