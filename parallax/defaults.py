@@ -22,7 +22,9 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         sample_tokens=200))
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=1e-3, warmup_steps=10, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
-        min_lr_ratio=0.1, decay_steps=0))
+        min_lr_ratio=0.1, decay_steps=0, schedule="cosine", wsd_decay_fraction=0.2,
+        muon_beta=0.95, muon_nesterov=True, muon_ns_steps=5, muon_scale="rms", muon_rms=0.2, muon_exclude="vocab",
+        grad_delay=0, delay_correction="none"))
     c.pipeline = ml_collections.ConfigDict(dict(schedule="1f1b", microbatches=4, virtual_stages=1, remat=False))
     c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1))
     c.sharding = ml_collections.ConfigDict()

@@ -1,53 +1,274 @@
-"""Optax optimizers: AdamW with linear warmup + cosine decay, global-norm clipping, weight-decay mask.
+"""Optax optimizers: AdamW or Muon (+ AdamW for the rest), LR schedules, clipping, and a one-step gradient delay.
 
-Weight decay applies only to matrices: a parameter is decayed when it has at least two dimensions besides
-the stacking dimension (`layers`), so norms, biases and other vectors are never decayed even when
-stacked over layers. The mask is computed from the logical axis names, not from parameter names.
+Every choice is made from the parameters' logical axis names, never from parameter names:
+
+- **Weight decay** applies to matrices only: two or more dims besides the stacking dims (`layers`,
+  `expert`) and `head_dim`; norm scales and biases are never decayed, also when stacked.
+- **Muon** (`optim.name=muon`) orthogonalises the momentum of each matrix with Newton-Schulz (the quintic
+  (3.4445, -4.7750, 2.0315) iteration, 5 steps, fp32). Stacked weights are batches of matrices: the
+  `layers` (and `expert`) dims are batch dims, not part of a matrix, so a `[layers, d_in, d_out]` leaf is L
+  independent matrices. Which dims form the matrix: its input side is the first feature dim, its output
+  side the rest, except a projection back into the residual stream (last dim `embed`), whose output is the
+  last dim: `wq [embed | heads, head_dim]`, `wo [heads, head_dim | embed]`, `w_down [mlp | embed]`. A
+  matrix that names any of `optim.muon_exclude` (default `vocab`: embeddings and the head), and every
+  non-matrix (norms, biases), goes to AdamW instead, with the same learning rate schedule.
+  The update RMS is matched to AdamW's by default (`muon_scale=rms`: `muon_rms * sqrt(max(d_in, d_out))`,
+  0.2 as in Moonlight), so one `lr` serves both; `muon_scale=width` is Keller Jordan's
+  `sqrt(max(1, d_out / d_in))` for Muon's own, larger learning rates.
+- **Gradient delay** (`optim.grad_delay=1`): the update at step t uses the gradient computed at step t-1's
+  parameters, `w[t+1] = w[t] - lr * u(g(w[t-1]))`, what an asynchronous PipeDream-2BW pipeline computes.
+  The first step has no earlier gradient and applies none (the optimizer state does not advance). The
+  stale gradient lives in the optimizer state, so checkpoints save and restore it exactly.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
 
 from parallax.config import ConfigError
 
-_STACKING = ("layers",)
+_STACKING = ("layers", "expert")
+# `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
+_NOT_MATRIX_DIMS = ("head_dim",)
+NAMES = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def lr_schedule(optim_config, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio`.
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then (`optim.schedule`):
 
-    The decay ends at `optim.decay_steps`, or at `total_steps` when that is 0; a run stopped early (or one
-    whose `train.steps` is raised on resume) keeps the schedule it started with if `decay_steps` is set.
+    - `cosine`: cosine decay to `lr * min_lr_ratio` at `optim.decay_steps` (0: at `total_steps`);
+    - `wsd`: warmup-stable-decay: constant `lr`, then a linear decay to `lr * min_lr_ratio` over the last
+      `wsd_decay_fraction` of the steps;
+    - `constant`: `lr` after the warmup.
+
+    A run stopped early (or whose `train.steps` is raised on resume) keeps the schedule it started with if
+    `decay_steps` is set.
     """
-    warmup = int(optim_config.warmup_steps)
-    total_steps = int(optim_config.decay_steps) or total_steps
-    decay_steps = max(total_steps - warmup, 1)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=float(optim_config.lr), warmup_steps=warmup,
-        decay_steps=warmup + decay_steps, end_value=float(optim_config.lr) * float(optim_config.min_lr_ratio))
+    o = optim_config
+    warmup, lr, end = int(o.warmup_steps), float(o.lr), float(o.lr) * float(o.min_lr_ratio)
+    total = int(o.decay_steps) or total_steps
+    if o.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warmup,
+                                                  decay_steps=warmup + max(total - warmup, 1), end_value=end)
+    ramp = optax.linear_schedule(0.0, lr, max(warmup, 1)) if warmup else optax.constant_schedule(lr)
+    if o.schedule == "constant":
+        return optax.join_schedules([ramp, optax.constant_schedule(lr)], [warmup])
+    decay = max(int(round(float(o.wsd_decay_fraction) * total)), 1)
+    stable = max(total - warmup - decay, 0)
+    return optax.join_schedules([ramp, optax.constant_schedule(lr), optax.linear_schedule(lr, end, decay)],
+                                [warmup, warmup + stable])
 
 
-# `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
-_NOT_MATRIX_DIMS = ("head_dim",)
+def _is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
+def _is_matrix(names) -> bool:
+    return sum(n not in _STACKING + _NOT_MATRIX_DIMS for n in names) >= 2
 
 
 def decay_mask(logical_names) -> dict:
     """True for parameters that get weight decay: matrices, i.e. two or more dims besides the stacking
-    dims (`layers`) and `head_dim`. Norm scales and biases are not decayed."""
-    return jax.tree.map(lambda names: sum(n not in _STACKING + _NOT_MATRIX_DIMS for n in names) >= 2,
-                        logical_names, is_leaf=lambda x: isinstance(x, tuple))
+    dims (`layers`, `expert`) and `head_dim`. Norm scales and biases are not decayed."""
+    return jax.tree.map(_is_matrix, logical_names, is_leaf=_is_names)
 
 
-def make_optimizer(optim_config, total_steps: int, logical_names) -> optax.GradientTransformation:
-    """The optimizer named by `optim.name` (adamw), with clipping when `optim.clip_norm` > 0."""
-    name = optim_config.name
-    if name != "adamw":
-        raise ConfigError(f"config.optim.name={name!r}: unknown optimizer; valid: adamw")
-    tx = optax.adamw(
-        learning_rate=lr_schedule(optim_config, total_steps), b1=float(optim_config.b1), b2=float(optim_config.b2),
-        eps=float(optim_config.eps), weight_decay=float(optim_config.weight_decay), mask=decay_mask(logical_names))
-    if float(optim_config.clip_norm) > 0:
-        tx = optax.chain(optax.clip_by_global_norm(float(optim_config.clip_norm)), tx)
-    return tx
+def muon_dims(names, exclude=("vocab",)) -> MuonDimensionNumbers | None:
+    """The matrix a parameter with logical `names` is for Muon, as (reduction, output) axes, or None
+    (AdamW): not a matrix, or it names one of `exclude`. See the module docstring for the rule."""
+    if not _is_matrix(names) or any(n in exclude for n in names):
+        return None
+    feature = tuple(i for i, n in enumerate(names) if n not in _STACKING)
+    if names[feature[-1]] == "embed":
+        return MuonDimensionNumbers(reduction_axis=feature[:-1], output_axis=feature[-1:])
+    return MuonDimensionNumbers(reduction_axis=feature[:1], output_axis=feature[1:])
+
+
+class MuonState(NamedTuple):
+    count: jax.Array
+    mu: optax.Updates  # fp32 momentum of the Muon leaves
+
+
+# Mesh axes a batch of matrices is spread over for Newton-Schulz, in order of preference: `pipe` first
+# (stacked layers are already split over it), then the FSDP / data axes, then the model axes.
+_SPREAD_ORDER = ("pipe", "fsdp", "data", "expert", "seq", "tensor")
+
+
+def _spread_spec(mesh, batch: int) -> P:
+    """P(axes, None, None) for a [batch, d_in, d_out] stack of matrices: the mesh axes (in `_SPREAD_ORDER`)
+    whose sizes multiply to a divisor of `batch`, so each device orthogonalises whole matrices for
+    batch / N of them and no two devices repeat one."""
+    axes, n = [], 1
+    for a in _SPREAD_ORDER:
+        size = mesh.shape.get(a, 1)
+        if size > 1 and batch % (n * size) == 0:
+            axes.append(a)
+            n *= size
+    return P(tuple(axes) or None, None, None)
+
+
+def newton_schulz(x, steps: int = 5, eps: float = 1e-8):
+    """Quintic Newton-Schulz on one matrix x [m, n] (fp32): ~ U V^T of its SVD (singular values pushed into
+    ~[0.7, 1.2], which Muon tolerates), iterating on the short side. `jax.vmap` it over a stack."""
+    x = x.astype(jnp.float32)
+    wide = x.shape[0] <= x.shape[1]
+    if not wide:
+        x = x.T
+    x = x / (jnp.linalg.norm(x, ord="fro") + eps)
+    k = jnp.asarray(NS_COEFFS, jnp.float32)
+
+    def step(_, x):
+        g = x @ x.T  # (m, m), m the short side
+        return k[0] * x + (k[1] * g + k[2] * g @ g) @ x
+    x = jax.lax.fori_loop(0, steps, step, x, unroll=True)
+    return x if wide else x.T
+
+
+def _as_matrices(x, d: MuonDimensionNumbers):
+    """x -> ([batch, d_in, d_out], inverse): batch dims first, then the reduction and output dims."""
+    red = (d.reduction_axis,) if isinstance(d.reduction_axis, int) else tuple(d.reduction_axis)
+    out = (d.output_axis,) if isinstance(d.output_axis, int) else tuple(d.output_axis)
+    batch = tuple(i for i in range(x.ndim) if i not in red + out)
+    perm = batch + red + out
+    shape = tuple(x.shape[i] for i in perm)
+    flat = (math.prod(shape[:len(batch)]), math.prod(shape[len(batch):len(batch) + len(red)]),
+            math.prod(shape[len(batch) + len(red):]))
+    inverse = lambda y: jnp.transpose(y.reshape(shape), tuple(sorted(range(x.ndim), key=lambda i: perm[i])))
+    return jnp.transpose(x, perm).reshape(flat), inverse
+
+
+def scale_by_muon(dims_of, beta: float, nesterov: bool, ns_steps: int, mesh=None) -> optax.GradientTransformation:
+    """Muon's direction: bias-corrected EMA momentum (Nesterov optional; the formulas of
+    `optax.contrib.scale_by_muon`), orthogonalised per matrix by `newton_schulz`.
+
+    Sharding (`mesh` given): each leaf's matrices are resharded to `_spread_spec` (whole matrices, the
+    stack split over the mesh; XLA moves the shards with all-to-alls), orthogonalised locally, and put
+    back; without it XLA runs the iteration on sharded matrices, with collectives inside every matmul.
+    """
+    def init(params):
+        return MuonState(jnp.zeros((), jnp.int32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    def orthogonalize(u, d):
+        if not isinstance(d, MuonDimensionNumbers):
+            return u
+        m, inverse = _as_matrices(u, d)
+        if mesh is not None:
+            m = jax.lax.with_sharding_constraint(m, NamedSharding(mesh, _spread_spec(mesh, m.shape[0])))
+        return inverse(jax.vmap(lambda a: newton_schulz(a, ns_steps))(m))
+
+    def update(updates, state, params=None):
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = state.count + 1
+        if nesterov:
+            mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g, optax.tree.bias_correction(mu, beta, count + 1),
+                                  optax.tree.bias_correction(updates, beta, count))
+        else:
+            mu_hat = optax.tree.bias_correction(mu, beta, count)
+        return jax.tree.map(orthogonalize, mu_hat, dims_of(mu_hat)), MuonState(count, mu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _scale_by_shape(dims_of, rms: float | None) -> optax.GradientTransformation:
+    """Scales each orthogonalised update: `rms * sqrt(max(d_in, d_out))` (AdamW-matched RMS), or with `rms`
+    None `sqrt(max(1, d_out / d_in))`; d_in / d_out are the products of the reduction / output dims."""
+    def scale(u, d):
+        if not isinstance(d, MuonDimensionNumbers):
+            return u
+        fan = lambda axes: math.prod(u.shape[a] for a in ((axes,) if isinstance(axes, int) else axes))
+        d_in, d_out = fan(d.reduction_axis), fan(d.output_axis)
+        if rms is not None:  # computed in fp32 as optax does, so the two agree to the last bit
+            return jnp.sqrt(jnp.maximum(d_in, d_out)) * rms * u
+        return jnp.sqrt(jnp.maximum(1, d_out / d_in)) * u
+
+    def update(updates, state, params=None):
+        return jax.tree.map(scale, updates, dims_of(updates)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _muon(optim_config, schedule, logical_names, mesh=None) -> optax.GradientTransformation:
+    o = optim_config
+    exclude = tuple(n.strip() for n in str(o.muon_exclude).split(",") if n.strip())
+    dims = jax.tree.map(lambda n: muon_dims(n, exclude), logical_names, is_leaf=_is_names)
+    labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
+                          is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+
+    def muon_dims_of(params):  # the Muon partition's tree: dims where Muon applies, MaskedNode elsewhere
+        return jax.tree.map(lambda d, p: p if d is None else d, dims, params,
+                            is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+
+    rms = float(o.muon_rms) if o.muon_scale == "rms" else None
+    muon = optax.chain(
+        scale_by_muon(muon_dims_of, float(o.muon_beta), bool(o.muon_nesterov), int(o.muon_ns_steps), mesh),
+        _scale_by_shape(muon_dims_of, rms),
+        optax.add_decayed_weights(float(o.weight_decay)),
+        optax.scale_by_learning_rate(schedule))
+    adamw = optax.adamw(learning_rate=schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
+                        weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))
+    return optax.partition({"muon": muon, "adamw": adamw}, labels)
+
+
+class DelayState(NamedTuple):
+    inner: optax.OptState
+    stale: optax.Updates  # the gradient of the previous step (fp32), applied at this one
+    started: jax.Array  # bool: whether `stale` holds a gradient yet
+
+
+def delay_one_step(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` applied to the gradient of the previous step: w[t+1] = w[t] - u(g(w[t-1])). The first call
+    has no earlier gradient: it returns zero updates and leaves `inner`'s state as it was."""
+    def init(params):
+        return DelayState(inner.init(params), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+                          jnp.zeros((), bool))
+
+    def update(grads, state, params=None):
+        updates, new_inner = inner.update(state.stale, state.inner, params)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(state.started, a, b), new, old)
+        updates = jax.tree.map(lambda u: jnp.where(state.started, u, jnp.zeros_like(u)), updates)
+        stale = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return updates, DelayState(keep(new_inner, state.inner), stale, jnp.ones((), bool))
+
+    return optax.GradientTransformation(init, update)
+
+
+def check(optim_config) -> None:
+    """Raises ConfigError (one line) for optimizer settings `make_optimizer` cannot build."""
+    o = optim_config
+    choices = (("name", NAMES), ("schedule", SCHEDULES), ("muon_scale", ("rms", "width")),
+               ("delay_correction", ("none",)))
+    for key, valid in choices:
+        if o[key] not in valid:
+            raise ConfigError(f"config.optim.{key}={o[key]!r}: expected one of {', '.join(valid)}")
+    if int(o.grad_delay) not in (0, 1):
+        raise ConfigError(f"config.optim.grad_delay={o.grad_delay}: expected 0 or 1")
+    if not 0 < float(o.wsd_decay_fraction) <= 1:
+        raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
+    if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1:
+        raise ConfigError(f"config.optim: muon_ns_steps={o.muon_ns_steps} must be >= 1 and muon_beta="
+                          f"{o.muon_beta} in [0, 1)")
+
+
+def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None) -> optax.GradientTransformation:
+    """The optimizer `optim` names (adamw | muon), after global-norm clipping when `optim.clip_norm` > 0,
+    applied one step late when `optim.grad_delay` is 1. `mesh`: where Muon spreads its Newton-Schulz."""
+    check(optim_config)
+    o = optim_config
+    schedule = lr_schedule(o, total_steps)
+    if o.name == "muon":
+        tx = _muon(o, schedule, logical_names, mesh)
+    else:
+        tx = optax.adamw(learning_rate=schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
+                         weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))
+    if float(o.clip_norm) > 0:
+        tx = optax.chain(optax.clip_by_global_norm(float(o.clip_norm)), tx)
+    return delay_one_step(tx) if int(o.grad_delay) else tx

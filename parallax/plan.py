@@ -19,6 +19,7 @@ from flax import nnx
 
 from parallax import mesh as mesh_lib
 from parallax import model as model_lib
+from parallax import optim as optim_lib
 from parallax import sharding
 from parallax.config import ConfigError
 from parallax.parallel.manual import Parallelism
@@ -144,6 +145,7 @@ def _check_generic(config, sizes):
         raise ConfigError(f"config.train.eval_batches={t.eval_batches}: must be >= 1 when eval_every > 0")
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
+    optim_lib.check(o)
     if o.lr < 0 or o.warmup_steps < 0 or o.decay_steps < 0 or o.weight_decay < 0 or o.clip_norm < 0:
         raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
                           f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")

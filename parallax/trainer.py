@@ -56,7 +56,7 @@ class Trainer:
         self.abstract_params, self.logical = plan.abstract_params, plan.logical
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, plan.rules)
         self.lr_schedule = optim.lr_schedule(self.config.optim, self.config.train.steps)
-        self.tx = optim.make_optimizer(self.config.optim, self.config.train.steps, self.logical)
+        self.tx = optim.make_optimizer(self.config.optim, self.config.train.steps, self.logical, self.mesh)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         replicated = NamedSharding(self.mesh, P())
         self.state_shardings = {
