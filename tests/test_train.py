@@ -76,3 +76,24 @@ def test_nan_policy_skip_keeps_the_weights_finite(tmp_path):
     result = train_and_evaluate(config, str(tmp_path), log=lines.append)
     assert any("update skipped" in line for line in lines)
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(result.state["params"]))
+
+
+def test_sample_from_a_workdir_also_one_written_before_newer_config_keys(tmp_path):
+    """`launch/sample.py` (the second half of `make train`) on a fresh workdir, and on one whose config.json
+    predates keys added since (model.attention_block / loss_chunk, optim.schedule): defaults fill them."""
+    import json
+
+    from parallax.sample import sample_from_workdir
+    from parallax.train import train_and_evaluate
+    config = tiny_config(data=8)
+    config.train.update(steps=2, checkpoint_every=2, eval_every=0, log_every=1)
+    workdir = str(tmp_path / "run")
+    train_and_evaluate(config, workdir, log=lambda *_: None)
+    fresh = sample_from_workdir(workdir, "ab", num_tokens=3)
+    assert fresh.startswith("step 2 sample") and len(fresh.split(":")[-1].split()) == 3
+    path = tmp_path / "run" / "config.json"
+    saved = json.loads(path.read_text())
+    for section, key in (("model", "attention_block"), ("model", "loss_chunk"), ("optim", "schedule")):
+        del saved[section][key]
+    path.write_text(json.dumps(saved))
+    assert sample_from_workdir(workdir, "ab", num_tokens=3) == fresh
