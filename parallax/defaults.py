@@ -30,3 +30,18 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     c.sharding = ml_collections.ConfigDict()
     c.sharding.rules = ml_collections.ConfigDict(make_rules(extra=model_class(model).rules))
     return c
+
+
+def with_defaults(saved):
+    """A saved config laid over today's `default_config` for its model: keys added since it was written
+    (e.g. model.loss_chunk, optim.schedule) take their defaults, so it compares and loads as today's."""
+    def overlay(base, over):
+        for key, value in over.items():
+            if isinstance(value, ml_collections.ConfigDict) and isinstance(base.get(key), ml_collections.ConfigDict):
+                overlay(base[key], value)
+            else:
+                base[key] = value
+    config = default_config(saved.model.name)
+    with config.unlocked():
+        overlay(config, saved)
+    return config

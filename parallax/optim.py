@@ -3,15 +3,15 @@
 Every choice is made from the parameters' logical axis names, never from parameter names:
 
 - **Weight decay** applies to matrices only: two or more dims besides the stacking dims (`layers`,
-  `expert`) and `head_dim`; norm scales and biases are never decayed, also when stacked.
+  `experts`) and `head_dim`; norm scales and biases are never decayed, also when stacked.
 - **Muon** (`optim.name=muon`) orthogonalises the momentum of each matrix with Newton-Schulz (the quintic
-  (3.4445, -4.7750, 2.0315) iteration, 5 steps, fp32). Stacked weights are batches of matrices: the
-  `layers` (and `expert`) dims are batch dims, not part of a matrix, so a `[layers, d_in, d_out]` leaf is L
-  independent matrices. Which dims form the matrix: its input side is the first feature dim, its output
+  (3.4445, -4.7750, 2.0315) iteration, 5 steps, fp32). It takes the matrices of the layer stack (leaves
+  with a `layers` dim); those are batches of matrices: the `layers` (and `experts`) dims are batch dims,
+  not part of a matrix, so a `[layers, d_in, d_out]` leaf is L independent matrices. Which dims form the matrix: its input side is the first feature dim, its output
   side the rest, except a projection back into the residual stream (last dim `embed`), whose output is the
-  last dim: `wq [embed | heads, head_dim]`, `wo [heads, head_dim | embed]`, `w_down [mlp | embed]`. A
-  matrix that names any of `optim.muon_exclude` (default `vocab`: embeddings and the head), and every
-  non-matrix (norms, biases), goes to AdamW instead, with the same learning rate schedule.
+  last dim: `wq [embed | heads, head_dim]`, `wo [heads, head_dim | embed]`, `w_down [mlp | embed]`.
+  Everything outside the stack (embeddings, positions, the head), every non-matrix (norms, biases) and any
+  stack matrix that names one of `optim.muon_exclude` goes to AdamW, with the same learning rate schedule.
   The update RMS is matched to AdamW's by default (`muon_scale=rms`: `muon_rms * sqrt(max(d_in, d_out))`,
   0.2 as in Moonlight), so one `lr` serves both; `muon_scale=width` is Keller Jordan's
   `sqrt(max(1, d_out / d_in))` for Muon's own, larger learning rates.
@@ -34,7 +34,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from parallax.config import ConfigError
 
-_STACKING = ("layers", "expert")
+_STACKING = ("layers", "experts")
 # `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
 _NOT_MATRIX_DIMS = ("head_dim",)
 NAMES = ("adamw", "muon")
@@ -62,7 +62,7 @@ def lr_schedule(optim_config, total_steps: int) -> optax.Schedule:
     ramp = optax.linear_schedule(0.0, lr, max(warmup, 1)) if warmup else optax.constant_schedule(lr)
     if o.schedule == "constant":
         return optax.join_schedules([ramp, optax.constant_schedule(lr)], [warmup])
-    decay = max(int(round(float(o.wsd_decay_fraction) * total)), 1)
+    decay = min(max(int(round(float(o.wsd_decay_fraction) * total)), 1), max(total - warmup, 1))
     stable = max(total - warmup - decay, 0)
     return optax.join_schedules([ramp, optax.constant_schedule(lr), optax.linear_schedule(lr, end, decay)],
                                 [warmup, warmup + stable])
@@ -78,14 +78,14 @@ def _is_matrix(names) -> bool:
 
 def decay_mask(logical_names) -> dict:
     """True for parameters that get weight decay: matrices, i.e. two or more dims besides the stacking
-    dims (`layers`, `expert`) and `head_dim`. Norm scales and biases are not decayed."""
+    dims (`layers`, `experts`) and `head_dim`. Norm scales and biases are not decayed."""
     return jax.tree.map(_is_matrix, logical_names, is_leaf=_is_names)
 
 
 def muon_dims(names, exclude=("vocab",)) -> MuonDimensionNumbers | None:
     """The matrix a parameter with logical `names` is for Muon, as (reduction, output) axes, or None
-    (AdamW): not a matrix, or it names one of `exclude`. See the module docstring for the rule."""
-    if not _is_matrix(names) or any(n in exclude for n in names):
+    (AdamW): not in the layer stack, not a matrix, or it names one of `exclude`. See the module docstring."""
+    if "layers" not in names or not _is_matrix(names) or any(n in exclude for n in names):
         return None
     feature = tuple(i for i, n in enumerate(names) if n not in _STACKING)
     if names[feature[-1]] == "embed":
@@ -106,7 +106,8 @@ _SPREAD_ORDER = ("pipe", "fsdp", "data", "expert", "seq", "tensor")
 def _spread_spec(mesh, batch: int) -> P:
     """P(axes, None, None) for a [batch, d_in, d_out] stack of matrices: the mesh axes (in `_SPREAD_ORDER`)
     whose sizes multiply to a divisor of `batch`, so each device orthogonalises whole matrices for
-    batch / N of them and no two devices repeat one."""
+    batch / N of them. Axes that do not divide the stack are left out: their devices repeat the work
+    (e.g. 80 layers over fsdp 8 x tensor 8 spread over fsdp only)."""
     axes, n = [], 1
     for a in _SPREAD_ORDER:
         size = mesh.shape.get(a, 1)
@@ -151,8 +152,9 @@ def scale_by_muon(dims_of, beta: float, nesterov: bool, ns_steps: int, mesh=None
     `optax.contrib.scale_by_muon`), orthogonalised per matrix by `newton_schulz`.
 
     Sharding (`mesh` given): each leaf's matrices are resharded to `_spread_spec` (whole matrices, the
-    stack split over the mesh; XLA moves the shards with all-to-alls), orthogonalised locally, and put
-    back; without it XLA runs the iteration on sharded matrices, with collectives inside every matmul.
+    stack split over the mesh axes that divide it; XLA moves the shards with all-to-alls), orthogonalised
+    locally, and put back; without it XLA runs the iteration on sharded matrices, with collectives inside
+    every matmul.
     """
     def init(params):
         return MuonState(jnp.zeros((), jnp.int32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
@@ -253,9 +255,9 @@ def check(optim_config) -> None:
         raise ConfigError(f"config.optim.grad_delay={o.grad_delay}: expected 0 or 1")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
-    if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1:
-        raise ConfigError(f"config.optim: muon_ns_steps={o.muon_ns_steps} must be >= 1 and muon_beta="
-                          f"{o.muon_beta} in [0, 1)")
+    if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1 or float(o.muon_rms) <= 0:
+        raise ConfigError(f"config.optim: muon_ns_steps={o.muon_ns_steps} must be >= 1, muon_beta={o.muon_beta} "
+                          f"in [0, 1) and muon_rms={o.muon_rms} > 0")
 
 
 def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None) -> optax.GradientTransformation:

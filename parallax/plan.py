@@ -99,6 +99,7 @@ def make_plan(config, num_devices: int) -> Plan:
     abstract_params = nnx.to_pure_dict(abstract_state)
     _check_params(config, sizes, rules, abstract_params, logical)
     _check_explicit_rules(sizes, rules, logical)
+    _check_muon_exclude(config, rules)
     kernels = dict(attention_block=int(config.model.attention_block), loss_chunk=int(config.model.loss_chunk))
     par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding
     if sizes["tensor"] > 1 or sizes["seq"] > 1 or schedule is not None:
@@ -161,6 +162,14 @@ def _check_generic(config, sizes):
                           f"2*seq={2 * sp} (zigzag layout): use a seq_len that is a multiple of {2 * sp}")
     if config.data.source == "text" and m.vocab_size < 256:
         raise ConfigError(f"config.model.vocab_size={m.vocab_size}: byte-level text needs vocab_size >= 256")
+
+
+def _check_muon_exclude(config, rules):
+    names = [n.strip() for n in str(config.optim.muon_exclude).split(",") if n.strip()]
+    for name in names:
+        if name not in rules:
+            raise ConfigError(f"config.optim.muon_exclude={config.optim.muon_exclude!r}: {name!r} is not a logical "
+                              f"axis name of this model (names: {', '.join(sorted(rules))}); e.g. vocab")
 
 
 def _rules(config, cls) -> dict:

@@ -40,37 +40,19 @@ def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int
     return np.asarray(out[len(prompt):], np.int32)
 
 
-def _with_defaults(saved):
-    """The saved config over today's defaults for its model: a workdir written before a config key existed
-    (e.g. model.loss_chunk, optim.schedule) samples with that key's default."""
-    import ml_collections
-
-    from parallax.defaults import default_config
-
-    def overlay(base, over):
-        for key, value in over.items():
-            if isinstance(value, ml_collections.ConfigDict) and isinstance(base.get(key), ml_collections.ConfigDict):
-                overlay(base[key], value)
-            else:
-                base[key] = value
-    config = default_config(saved.model.name)
-    with config.unlocked():
-        overlay(config, saved)
-    return config
-
-
 def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperature: float = 0.8) -> str:
     """Restores the latest checkpoint of `workdir` onto one device and continues `prompt` (bytes)."""
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
     from parallax.config import ConfigError, config_from_json
+    from parallax.defaults import with_defaults
     from parallax.trainer import Trainer
 
     path = epath.Path(workdir) / "config.json"
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; train first (make train)")
-    config = _with_defaults(config_from_json(path.read_text()))
+    config = with_defaults(config_from_json(path.read_text()))
     for axis in config.mesh:
         config.mesh[axis] = 1
     trainer = Trainer(config, devices=jax.devices()[:1])

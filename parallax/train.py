@@ -20,7 +20,8 @@ from etils import epath
 from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
-from parallax.config import ConfigError
+from parallax.config import ConfigError, config_from_json
+from parallax.defaults import with_defaults
 from parallax.trainer import Trainer
 
 
@@ -83,6 +84,8 @@ def check_resume(config, saved_json: str) -> None:
     may change; the rest of the model, data, optimizer, seed, batch and sequence length may not. `train.steps` may grow only when `optim.decay_steps` fixes the LR schedule.
     """
     saved = _flatten(json.loads(saved_json))
+    if "model.name" in saved:  # keys added since the checkpoint was written compare as their defaults
+        saved = _flatten(json.loads(with_defaults(config_from_json(saved_json)).to_json_best_effort()))
     now = _flatten(json.loads(config.to_json_best_effort()))
     keys = [k for k in now if (k.startswith(tuple(p + "." for p in ("model", "data", "optim")))
                                or k in _MUST_MATCH_ON_RESUME) and k not in _MAY_CHANGE_ON_RESUME]

@@ -119,7 +119,8 @@ class Trainer:
             new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),
                                                         {k: new[k] for k in ("params", "opt_state")},
                                                         {k: state[k] for k in ("params", "opt_state")})}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.lr_schedule(state["step"]),
+        applied = jnp.maximum(state["step"] - int(self.config.optim.grad_delay), 0)  # the delayed step's lr
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.lr_schedule(applied),
                    "finite": finite}
         return new, metrics
 

@@ -95,3 +95,15 @@ def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
     straight.optim.decay_steps = 1000
     train_and_evaluate(straight, str(tmp_path / "straight"), log=_quiet)
     assert _losses(workdir) == _losses(str(tmp_path / "straight"))
+
+
+def test_resume_compares_keys_added_since_the_checkpoint_with_their_defaults():
+    """A workdir written before optim.grad_delay existed was trained without delay: resuming it with
+    grad_delay=1 is a different run, refused with one line, not a restore error deep in Orbax."""
+    old = json.loads(_config(3).to_json_best_effort())
+    del old["optim"]["grad_delay"]
+    check_resume(_config(3), json.dumps(old))  # the default (0): the same run
+    changed = _config(3)
+    changed.optim.grad_delay = 1
+    with pytest.raises(ConfigError, match="config.optim.grad_delay=1: the checkpoint in this workdir was trained with 0"):
+        check_resume(changed, json.dumps(old))

@@ -30,8 +30,11 @@ def test_muon_dims_follow_the_logical_names():
     assert dims(("layers", "embed", "mlp")) == MuonDimensionNumbers((1,), (2,))  # w_gate
     assert dims(("layers", "mlp", "embed")) == MuonDimensionNumbers((1,), (2,))  # w_down
     assert dims(("embed", "vocab")) is None and dims(("vocab", "embed")) is None  # head, embedding: AdamW
+    assert dims(("positions", "embed")) is None  # outside the layer stack: AdamW (GPT-2's wpe)
     assert dims(("layers", "norm")) is None and dims(("layers", "heads", "head_dim")) is None  # vectors
-    assert dims(("embed", "vocab"), exclude=()) == MuonDimensionNumbers((0,), (1,))  # overridable
+    assert dims(("layers", "experts", "embed", "mlp")) == MuonDimensionNumbers((2,), (3,))  # experts: a batch dim
+    assert dims(("layers", "experts", "mlp")) is None  # a stacked expert bias
+    assert dims(("layers", "embed", "mlp"), exclude=("mlp",)) is None  # optim.muon_exclude
 
 
 def _params_and_grads(config, steps=5):
@@ -86,11 +89,14 @@ def test_lr_schedules_warm_up_then_follow_their_shape(schedule):
     assert float(lr(100)) == pytest.approx(final, abs=1e-6)
     if schedule == "wsd":
         assert float(lr(80)) == pytest.approx(1.0) and float(lr(90)) == pytest.approx(0.55)
+        config.optim.update(warmup_steps=90)  # a decay longer than what is left after the warmup is cut
+        assert float(optim.lr_schedule(config.optim, 100)(100)) == pytest.approx(0.1)
 
 
 def test_bad_optimizer_settings_are_one_line_errors():
     for key, value, match in [("name", "sgd", "expected one of adamw, muon"), ("grad_delay", 2, "expected 0 or 1"),
-                              ("schedule", "linear", "expected one of cosine, wsd, constant")]:
+                              ("schedule", "linear", "expected one of cosine, wsd, constant"),
+                              ("muon_rms", 0.0, "muon_rms=0.0 > 0"), ("muon_exclude", "vocabs", "'vocabs' is not a")]:
         config = tiny_config(data=8)
         config.optim[key] = value
         with pytest.raises(ConfigError, match=match):
@@ -132,7 +138,7 @@ def muon_references():
     out = {}
     for delay in (0, 1):
         config = tiny_config(data=1)
-        config.optim.update(name="muon", grad_delay=delay)
+        config.optim.update(name="muon", grad_delay=delay, lr=1e-2, warmup_steps=0)  # every step moves
         out[delay] = loss_grads_and_steps(config, jax.devices()[:1])
     return out
 
@@ -142,7 +148,7 @@ def muon_references():
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
 def test_muon_on_sharded_meshes_matches_one_device(muon_references, mesh, delay):
     config = tiny_config(**mesh)
-    config.optim.update(name="muon", grad_delay=delay)
+    config.optim.update(name="muon", grad_delay=delay, lr=1e-2, warmup_steps=0)
     assert_parity(loss_grads_and_steps(config, jax.devices()), muon_references[delay], 1e-5)
 
 
