@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
 from parallax.config import ConfigError
+from parallax.sharding import is_logical_names
 
 _STACKING = ("layers", "experts")
 # `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
@@ -68,10 +69,6 @@ def lr_schedule(optim_config, total_steps: int) -> optax.Schedule:
                                 [warmup, warmup + stable])
 
 
-def _is_names(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
-
-
 def _is_matrix(names) -> bool:
     return sum(n not in _STACKING + _NOT_MATRIX_DIMS for n in names) >= 2
 
@@ -79,7 +76,7 @@ def _is_matrix(names) -> bool:
 def decay_mask(logical_names) -> dict:
     """True for parameters that get weight decay: matrices, i.e. two or more dims besides the stacking
     dims (`layers`, `experts`) and `head_dim`. Norm scales and biases are not decayed."""
-    return jax.tree.map(_is_matrix, logical_names, is_leaf=_is_names)
+    return jax.tree.map(_is_matrix, logical_names, is_leaf=is_logical_names)
 
 
 def muon_dims(names, exclude=("vocab",)) -> MuonDimensionNumbers | None:
@@ -201,7 +198,7 @@ def _scale_by_shape(dims_of, rms: float | None) -> optax.GradientTransformation:
 def _muon(optim_config, schedule, logical_names, mesh=None) -> optax.GradientTransformation:
     o = optim_config
     exclude = tuple(n.strip() for n in str(o.muon_exclude).split(",") if n.strip())
-    dims = jax.tree.map(lambda n: muon_dims(n, exclude), logical_names, is_leaf=_is_names)
+    dims = jax.tree.map(lambda n: muon_dims(n, exclude), logical_names, is_leaf=is_logical_names)
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
                           is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 

@@ -19,6 +19,7 @@ from helpers import assert_parity, loss_grads_and_steps, rel_err, tiny_config
 from parallax import hlo, optim
 from parallax.config import ConfigError
 from parallax.plan import make_plan
+from parallax.sharding import is_logical_names
 from parallax.train import make_dataset, train_and_evaluate
 from parallax.trainer import Trainer
 
@@ -62,7 +63,7 @@ def test_muon_equals_optax_contrib_muon_with_the_same_dimension_numbers():
     config.optim.update(name="muon", clip_norm=0.0, weight_decay=0.1, warmup_steps=2)
     trainer, params, grads = _params_and_grads(config)
     ours = _run(trainer.tx, params, grads)
-    dims = jax.tree.map(optim.muon_dims, trainer.logical, is_leaf=optim._is_names)
+    dims = jax.tree.map(optim.muon_dims, trainer.logical, is_leaf=is_logical_names)
     reference = optax.contrib.muon(
         learning_rate=optim.lr_schedule(config.optim, config.train.steps), ns_coeffs=optim.NS_COEFFS, ns_steps=5,
         beta=0.95, weight_decay=0.1, nesterov=True, consistent_rms=0.2, muon_weight_dimension_numbers=dims)
@@ -200,7 +201,7 @@ def test_sharded_newton_schulz_runs_each_matrix_once_on_one_device(mesh):
     config.model.update(num_layers=8, d_model=64, d_ff=256)
     config.optim.update(name="muon")
     compiled, trainer = _compiled_update(config, spread=True)
-    muon_leaves = sum(optim.muon_dims(n) is not None for n in jax.tree.leaves(trainer.logical, is_leaf=optim._is_names))
+    muon_leaves = sum(optim.muon_dims(n) is not None for n in jax.tree.leaves(trainer.logical, is_leaf=is_logical_names))
     dots = _dot_shapes(compiled)
     assert all(len(s) == 2 for s in dots), sorted(set(dots))
     assert len(dots) == 3 * 5 * muon_leaves
