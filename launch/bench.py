@@ -1,9 +1,11 @@
 """Benchmarks (not tests): step time and tokens/s per mesh, and pipeline schedules' compiled memory and time.
 
     python launch/bench.py --cpu_devices=8 [--part=all|mesh|pipeline] [--steps=5]
+    python launch/bench.py --cpu_devices=64 --part=muon   # Newton-Schulz on the 8B / 70B shapes (compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
-the memory figures are XLA's own (`compiled.memory_analysis()`, per device).
+the memory figures are XLA's own (`compiled.memory_analysis()`, per device); the Muon figures are XLA's
+cost analysis and the collectives of the compiled optimizer update, per device.
 """
 
 import os
@@ -14,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
-flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline"], "Which benchmark to run.")
+flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon"], "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step).")
 FLAGS = flags.FLAGS
 
@@ -92,6 +94,46 @@ def bench_pipeline(steps):
             print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {temp:.2f} | {dt} |", flush=True)
 
 
+def bench_muon():
+    """Muon's optimizer update on the real configs' shapes, compiled for their meshes (abstract parameters,
+    nothing allocated): XLA partitioning Newton-Schulz on the sharded matrices (plain) vs the stack
+    resharded to whole matrices spread over all devices (parallax's)."""
+    import math
+
+    import jax
+
+    from parallax import hlo, optim
+    from parallax.config import load_config_file
+    from parallax.trainer import Trainer, _opt_state_shardings
+
+    print("\n| config | devices | Newton-Schulz | FLOPs per device | collectives | bytes moved per device |\n"
+          "|---|---|---|---|---|---|")
+    for path in ("configs/llama3_8b.py", "configs/llama3_70b.py"):
+        config = load_config_file(path)
+        config.optim.name = "muon"
+        n = 1
+        for axis in config.mesh:
+            n *= max(int(config.mesh[axis]), 1)
+        if n > len(jax.devices()):
+            print(f"| {path} | {n} | skipped: run with --cpu_devices={n} | | | |")
+            continue
+        trainer = Trainer(config, devices=jax.devices()[:n])
+        params = trainer.abstract_state()["params"]
+        for label, mesh in (("plain", None), ("spread", trainer.mesh)):
+            tx = optim.make_optimizer(config.optim, 100, trainer.logical, mesh)
+            state = jax.eval_shape(tx.init, params)
+            shardings = (trainer.param_shardings, _opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
+                         trainer.param_shardings)
+            compiled = jax.jit(tx.update, in_shardings=shardings).lower(params, state, params).compile()
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            moved = sum(math.prod(shape) * 4 for _, shapes in hlo.collective_shapes(compiled)  # fp32 updates
+                        for shape in shapes)
+            counts = ", ".join(f"{v} {k}" for k, v in sorted(hlo.count_collectives(compiled).items()) if v)
+            print(f"| {os.path.basename(path)} | {n} | {label} | {cost['flops']:.3g} | {counts} | "
+                  f"{moved / 2**30:.1f} GiB |", flush=True)
+
+
 def main(_):
     if FLAGS.cpu_devices:
         from parallax.mesh import simulate_cpu_devices
@@ -108,6 +150,8 @@ def main(_):
         bench_meshes(FLAGS.steps)
     if FLAGS.part in ("all", "pipeline"):
         bench_pipeline(FLAGS.steps)
+    if FLAGS.part == "muon":
+        bench_muon()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Every choice is made from the parameters' logical axis names, never from paramet
   parameters, `w[t+1] = w[t] - lr * u(g(w[t-1]))`, what an asynchronous PipeDream-2BW pipeline computes.
   The first step has no earlier gradient and applies none (the optimizer state does not advance). The
   stale gradient lives in the optimizer state, so checkpoints save and restore it exactly.
+  `optim.delay_correction=error_feedback` applies `u[t] + (u[t] - u[t-1])` instead (`delay_one_step`).
 """
 
 from __future__ import annotations
@@ -95,23 +96,18 @@ class MuonState(NamedTuple):
     mu: optax.Updates  # fp32 momentum of the Muon leaves
 
 
-# Mesh axes a batch of matrices is spread over for Newton-Schulz, in order of preference: `pipe` first
-# (stacked layers are already split over it), then the FSDP / data axes, then the model axes.
+# Mesh axes a batch of matrices is spread over for Newton-Schulz, in order: `pipe` first (stacked layers
+# are already split over it), then the FSDP / data axes, then the model axes.
 _SPREAD_ORDER = ("pipe", "fsdp", "data", "expert", "seq", "tensor")
 
 
-def _spread_spec(mesh, batch: int) -> P:
-    """P(axes, None, None) for a [batch, d_in, d_out] stack of matrices: the mesh axes (in `_SPREAD_ORDER`)
-    whose sizes multiply to a divisor of `batch`, so each device orthogonalises whole matrices for
-    batch / N of them. Axes that do not divide the stack are left out: their devices repeat the work
-    (e.g. 80 layers over fsdp 8 x tensor 8 spread over fsdp only)."""
-    axes, n = [], 1
-    for a in _SPREAD_ORDER:
-        size = mesh.shape.get(a, 1)
-        if size > 1 and batch % (n * size) == 0:
-            axes.append(a)
-            n *= size
-    return P(tuple(axes) or None, None, None)
+def _spread(mesh, batch: int) -> tuple[P, int]:
+    """(spec, padded) for a [batch, d_in, d_out] stack of matrices: the stack is padded with zero matrices
+    to a multiple of the device count N and split over every mesh axis, so each device orthogonalises
+    ceil(batch / N) whole matrices and no device repeats another's work (a zero matrix stays zero)."""
+    axes = tuple(a for a in _SPREAD_ORDER if mesh.shape.get(a, 1) > 1)
+    n = math.prod(mesh.shape[a] for a in axes)
+    return P(axes or None, None, None), -(-batch // n) * n
 
 
 def newton_schulz(x, steps: int = 5, eps: float = 1e-8):
@@ -148,10 +144,11 @@ def scale_by_muon(dims_of, beta: float, nesterov: bool, ns_steps: int, mesh=None
     """Muon's direction: bias-corrected EMA momentum (Nesterov optional; the formulas of
     `optax.contrib.scale_by_muon`), orthogonalised per matrix by `newton_schulz`.
 
-    Sharding (`mesh` given): each leaf's matrices are resharded to `_spread_spec` (whole matrices, the
-    stack split over the mesh axes that divide it; XLA moves the shards with all-to-alls), orthogonalised
-    locally, and put back; without it XLA runs the iteration on sharded matrices, with collectives inside
-    every matmul.
+    Sharding (`mesh` given): each leaf's matrices are resharded by `_spread` (whole matrices, the stack
+    padded and split over all devices; XLA moves the shards with all-to-alls, plus gathers within the
+    tensor group of a tensor-split matrix), orthogonalised locally, and put back; without it XLA runs
+    the iteration on the sharded matrices, with collectives inside every matmul, and every device
+    repeats the work of the others that hold the same layers.
     """
     def init(params):
         return MuonState(jnp.zeros((), jnp.int32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
@@ -160,9 +157,12 @@ def scale_by_muon(dims_of, beta: float, nesterov: bool, ns_steps: int, mesh=None
         if not isinstance(d, MuonDimensionNumbers):
             return u
         m, inverse = _as_matrices(u, d)
+        batch = m.shape[0]
         if mesh is not None:
-            m = jax.lax.with_sharding_constraint(m, NamedSharding(mesh, _spread_spec(mesh, m.shape[0])))
-        return inverse(jax.vmap(lambda a: newton_schulz(a, ns_steps))(m))
+            spec, padded = _spread(mesh, batch)
+            m = jnp.pad(m, ((0, padded - batch), (0, 0), (0, 0)))
+            m = jax.lax.with_sharding_constraint(m, NamedSharding(mesh, spec))
+        return inverse(jax.vmap(lambda a: newton_schulz(a, ns_steps))(m)[:batch])
 
     def update(updates, state, params=None):
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
@@ -221,21 +221,37 @@ class DelayState(NamedTuple):
     inner: optax.OptState
     stale: optax.Updates  # the gradient of the previous step (fp32), applied at this one
     started: jax.Array  # bool: whether `stale` holds a gradient yet
+    last: optax.Updates  # error feedback: the previous step's update (fp32); () without the correction
 
 
-def delay_one_step(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def delay_one_step(inner: optax.GradientTransformation, error_feedback: bool = False) -> optax.GradientTransformation:
     """`inner` applied to the gradient of the previous step: w[t+1] = w[t] - u(g(w[t-1])). The first call
-    has no earlier gradient: it returns zero updates and leaves `inner`'s state as it was."""
+    has no earlier gradient: it returns zero updates and leaves `inner`'s state as it was.
+
+    `error_feedback`: the update applied at step t is `u[t] + (u[t] - u[t-1])` (u[t] the inner update from
+    the stale gradient, u[-1] = 0). Under a one-step delay the update a fresh gradient would give at step
+    t is only known at step t+1; predicting it as the latest stale one (u[t+1] ~ u[t]), the error of the
+    step just taken is u[t] - u[t-1], and it is fed into the next one. Summed, the weights are the
+    delay-free sum of the updates plus the latest update once more: w[t+1] = w[0] - sum(u[..t]) - u[t],
+    the point the fresh trajectory is predicted to reach, which is where the next gradient is taken.
+    Costs one fp32 copy of the parameters. (Our reading of the error-feedback correction for one-step
+    delay of arXiv 2606.30634; its exact rule could not be checked here.)"""
+    f32 = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
+
     def init(params):
-        return DelayState(inner.init(params), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-                          jnp.zeros((), bool))
+        return DelayState(inner.init(params), f32(params), jnp.zeros((), bool), f32(params) if error_feedback else ())
 
     def update(grads, state, params=None):
         updates, new_inner = inner.update(state.stale, state.inner, params)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(state.started, a, b), new, old)
         updates = jax.tree.map(lambda u: jnp.where(state.started, u, jnp.zeros_like(u)), updates)
+        last = ()
+        if error_feedback:
+            last = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
+            updates = jax.tree.map(lambda u, prev: (2 * u.astype(jnp.float32) - prev).astype(u.dtype),
+                                   updates, state.last)
         stale = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return updates, DelayState(keep(new_inner, state.inner), stale, jnp.ones((), bool))
+        return updates, DelayState(keep(new_inner, state.inner), stale, jnp.ones((), bool), last)
 
     return optax.GradientTransformation(init, update)
 
@@ -244,12 +260,15 @@ def check(optim_config) -> None:
     """Raises ConfigError (one line) for optimizer settings `make_optimizer` cannot build."""
     o = optim_config
     choices = (("name", NAMES), ("schedule", SCHEDULES), ("muon_scale", ("rms", "width")),
-               ("delay_correction", ("none",)))
+               ("delay_correction", ("none", "error_feedback")))
     for key, valid in choices:
         if o[key] not in valid:
             raise ConfigError(f"config.optim.{key}={o[key]!r}: expected one of {', '.join(valid)}")
     if int(o.grad_delay) not in (0, 1):
         raise ConfigError(f"config.optim.grad_delay={o.grad_delay}: expected 0 or 1")
+    if o.delay_correction != "none" and not int(o.grad_delay):
+        raise ConfigError(f"config.optim.delay_correction={o.delay_correction!r} corrects a gradient delay, and "
+                          f"optim.grad_delay=0; set optim.grad_delay=1 or optim.delay_correction=none")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
     if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1 or float(o.muon_rms) <= 0:
@@ -259,7 +278,7 @@ def check(optim_config) -> None:
 
 def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None) -> optax.GradientTransformation:
     """The optimizer `optim` names (adamw | muon), after global-norm clipping when `optim.clip_norm` > 0,
-    applied one step late when `optim.grad_delay` is 1. `mesh`: where Muon spreads its Newton-Schulz."""
+    applied one step late when `optim.grad_delay` is 1 (with `optim.delay_correction`). `mesh`: where Muon spreads its Newton-Schulz."""
     check(optim_config)
     o = optim_config
     schedule = lr_schedule(o, total_steps)
@@ -270,4 +289,6 @@ def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None) -> 
                          weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))
     if float(o.clip_norm) > 0:
         tx = optax.chain(optax.clip_by_global_norm(float(o.clip_norm)), tx)
-    return delay_one_step(tx) if int(o.grad_delay) else tx
+    if not int(o.grad_delay):
+        return tx
+    return delay_one_step(tx, error_feedback=o.delay_correction == "error_feedback")

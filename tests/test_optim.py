@@ -97,38 +97,55 @@ def test_lr_schedules_warm_up_then_follow_their_shape(schedule):
 def test_bad_optimizer_settings_are_one_line_errors():
     for key, value, match in [("name", "sgd", "expected one of adamw, muon"), ("grad_delay", 2, "expected 0 or 1"),
                               ("schedule", "linear", "expected one of cosine, wsd, constant"),
-                              ("muon_rms", 0.0, "muon_rms=0.0 > 0"), ("muon_exclude", "vocabs", "'vocabs' is not a")]:
+                              ("muon_rms", 0.0, "muon_rms=0.0 > 0"), ("muon_exclude", "vocabs", "'vocabs' is not a"),
+                              ("delay_correction", "ef", "expected one of none, error_feedback"),
+                              ("delay_correction", "error_feedback", "set optim.grad_delay=1")]:
         config = tiny_config(data=8)
         config.optim[key] = value
         with pytest.raises(ConfigError, match=match):
             make_plan(config, 8)
 
 
+@pytest.mark.parametrize("correction", ["none", "error_feedback"])
 @pytest.mark.parametrize("name", ["adamw", "muon"])
-def test_grad_delay_applies_each_gradient_one_step_late(name):
-    """Against a loop written out by hand: step 0 changes nothing, step t applies the gradient of t-1."""
+def test_grad_delay_applies_each_gradient_one_step_late(name, correction):
+    """Against a loop written out by hand: step 0 changes nothing, step t applies the gradient of t-1;
+    with error feedback it applies 2 u[t] - u[t-1] (u the undelayed optimizer's update, u[-1] = 0)."""
     config = tiny_config(data=1)
-    config.optim.update(name=name, grad_delay=1)
+    config.optim.update(name=name, grad_delay=1, delay_correction=correction, warmup_steps=0)
     delayed = Trainer(config, devices=jax.devices()[:1])
     data = make_dataset(config)
     state = delayed.init_state()
-    config.optim.grad_delay = 0
+    config.optim.update(grad_delay=0, delay_correction="none")
     plain = Trainer(config, devices=jax.devices()[:1])
     params = jax.tree.map(jnp.copy, state["params"])  # train_step donates the state
     opt_state, stale = plain.tx.init(params), None
+    previous = jax.tree.map(jnp.zeros_like, params)
     for step in range(4):
         batch = delayed.device_batch(data.batch(step))
         state, _ = delayed.train_step(state, batch)
         _, grads = plain.loss_and_grads(params, batch)
         if stale is not None:
             updates, opt_state = plain.tx.update(stale, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            applied = updates
+            if correction == "error_feedback":
+                applied = jax.tree.map(lambda u, p: 2 * u - p, updates, previous)
+                previous = updates
+            params = optax.apply_updates(params, applied)
         stale = grads
         err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params)))
         assert err <= 1e-6, (step, err)
         if step == 0:  # nothing applied yet
             assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state["params"]),
                                                             jax.tree.leaves(params)))
+    if correction == "error_feedback":  # the correction did something: the weights differ from the plain delay
+        config.optim.update(grad_delay=1)
+        uncorrected = Trainer(config, devices=jax.devices()[:1])
+        other = uncorrected.init_state()
+        for step in range(4):
+            other, _ = uncorrected.train_step(other, uncorrected.device_batch(data.batch(step)))
+        assert max(rel_err(a, b) for a, b in zip(jax.tree.leaves(state["params"]),
+                                                 jax.tree.leaves(other["params"]))) > 1e-3
 
 
 MESHES = [dict(fsdp=8), dict(fsdp=4, tensor=2), dict(pipe=2, fsdp=2, tensor=2)]
@@ -137,28 +154,33 @@ MESHES = [dict(fsdp=8), dict(fsdp=4, tensor=2), dict(pipe=2, fsdp=2, tensor=2)]
 @pytest.fixture(scope="module")
 def muon_references():
     out = {}
-    for delay in (0, 1):
+    for delay in DELAYS:
         config = tiny_config(data=1)
-        config.optim.update(name="muon", grad_delay=delay, lr=1e-2, warmup_steps=0)  # every step moves
+        config.optim.update(name="muon", grad_delay=delay[0], delay_correction=delay[1], lr=1e-2,
+                            warmup_steps=0)  # every step moves
         out[delay] = loss_grads_and_steps(config, jax.devices()[:1])
     return out
 
 
+DELAYS = [(0, "none"), (1, "none"), (1, "error_feedback")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.parametrize("delay", DELAYS, ids=lambda d: f"delay={d[0]},{d[1]}")
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
 def test_muon_on_sharded_meshes_matches_one_device(muon_references, mesh, delay):
     config = tiny_config(**mesh)
-    config.optim.update(name="muon", grad_delay=delay, lr=1e-2, warmup_steps=0)
+    config.optim.update(name="muon", grad_delay=delay[0], delay_correction=delay[1], lr=1e-2, warmup_steps=0)
     assert_parity(loss_grads_and_steps(config, jax.devices()), muon_references[delay], 1e-5)
 
 
 @pytest.mark.slow
-def test_resume_in_the_middle_of_a_delayed_muon_run_is_exact(tmp_path):
+def test_resume_in_the_middle_of_a_delayed_corrected_muon_run_is_exact(tmp_path):
     def config(steps):
         c = tiny_config(data=2, fsdp=4)
         c.train.update(steps=steps, log_every=1, checkpoint_every=3, eval_every=0)
-        c.optim.update(name="muon", grad_delay=1, warmup_steps=1, decay_steps=6)
+        c.optim.update(name="muon", grad_delay=1, delay_correction="error_feedback", warmup_steps=1,
+                       decay_steps=6)
         return c
 
     def losses(workdir):
@@ -190,20 +212,23 @@ def _dot_shapes(compiled):
             for dims in re.findall(r"= f32\[([0-9,]*)\][^=\n]*? dot\(", compiled.as_text())]
 
 
-@pytest.mark.parametrize("mesh", [dict(fsdp=8), dict(fsdp=4, tensor=2), dict(pipe=2, fsdp=4)],
-                         ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
-def test_sharded_newton_schulz_runs_each_matrix_once_on_one_device(mesh):
-    """8 layers on 8 devices: every device orthogonalises one whole matrix of each Muon leaf (every NS
-    matmul is 2-D: no stack of 8, no row shards), 3 matmuls x 5 steps per leaf. The momentum reaches the
-    whole matrices by all-to-all (plus gathers within the tensor group of a tensor-split matrix), moving
-    several times fewer bytes than XLA's partitioning of the plain iteration, which gathers every step."""
+@pytest.mark.parametrize("mesh,layers", [(dict(fsdp=8), 8), (dict(fsdp=8), 6), (dict(fsdp=8), 12),
+                                         (dict(fsdp=4, tensor=2), 8), (dict(pipe=2, fsdp=4), 8)],
+                         ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()) if isinstance(m, dict) else f"L={m}")
+def test_sharded_newton_schulz_runs_each_matrix_once_on_one_device(mesh, layers):
+    """L layers on N = 8 devices: every device orthogonalises ceil(L / N) whole matrices of each Muon leaf
+    (every NS matmul is on whole matrices, batched only when L > N; a stack that does not divide is padded),
+    3 matmuls x 5 steps per leaf. The momentum reaches the whole matrices by all-to-all (plus gathers
+    within the tensor group of a tensor-split matrix), moving several times fewer bytes than XLA's
+    partitioning of the plain iteration, which gathers every step."""
     config = tiny_config(**mesh)
-    config.model.update(num_layers=8, d_model=64, d_ff=256)
+    config.model.update(num_layers=layers, d_model=64, d_ff=256)
     config.optim.update(name="muon")
     compiled, trainer = _compiled_update(config, spread=True)
     muon_leaves = sum(optim.muon_dims(n) is not None for n in jax.tree.leaves(trainer.logical, is_leaf=is_logical_names))
     dots = _dot_shapes(compiled)
-    assert all(len(s) == 2 for s in dots), sorted(set(dots))
+    per_device = -(-layers // 8)
+    assert all(len(s) == 2 if per_device == 1 else (len(s) == 3 and s[0] == per_device) for s in dots), sorted(set(dots))
     assert len(dots) == 3 * 5 * muon_leaves
     def moved(c):
         return sum(math.prod(s) * 4 for _, shapes in hlo.collective_shapes(c) for s in shapes)
