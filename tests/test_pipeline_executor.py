@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 import pytest
 
 from helpers import rel_err
@@ -130,6 +131,41 @@ def test_grads_match_unpipelined_on_data_fsdp_pipe_mesh(name, v):
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "pipe"))
     params, inputs = make_model()
     assert_matches_reference(*pipelined(sched, mesh)(params, inputs))
+
+
+def stage_fn_tensor_parallel(w, x, mb):
+    """`stage_fn` with w1 split by columns and w2 by rows over `tensor` (one psum per layer)."""
+    def layer(x, wl):
+        h = jax.lax.psum(jnp.tanh((rms(x) * wl["g"]) @ wl["w1"]) @ wl["w2"], "tensor")  # (rows, T/s, D)
+        return x + mb["mask"][..., None].astype(x.dtype) * h, None
+    return jax.lax.scan(layer, x, w)[0]
+
+
+def last_fn_tensor_parallel(lp, x, mb):
+    """`last_fn`, complete on every tensor rank: the executor sums a value only over the axes it varies
+    over, and the weights enter the region varying over every manual axis, so the replicated head's loss
+    is averaged over `tensor` (as a vocabulary-parallel loss is psummed)."""
+    return jax.lax.pmean(last_fn(lp, x, mb), "tensor")
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])
+def test_grads_match_unpipelined_with_tensor_and_seq_manual_axes(name, v):
+    """The default suite's executor test of the model axes: stage weights split over `tensor` (with the
+    stage's own psum), tokens split over `seq` (summed by the executor), on pipe 2 x tensor 2 x seq 2."""
+    sched = make_schedule(name, 2, M, v)
+    mesh = jax.make_mesh((2, 2, 2), ("pipe", "tensor", "seq"))
+    params, inputs = make_model()
+
+    def run(params, inputs):
+        staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+                  "last": params["last"]}
+        specs = {"stages": {"w1": P(None, None, "tensor"), "w2": P(None, "tensor", None), "g": P()}}
+        loss, g = executor.pipeline_value_and_grad(
+            sched, first_fn=first_fn, stage_fn=stage_fn_tensor_parallel, last_fn=last_fn_tensor_parallel, params=staged,
+            inputs=inputs, mesh=mesh, param_specs=specs, input_spec=P("seq"))
+        return loss, {"first": g["first"], "layers": executor.from_pipeline_layout(g["stages"], sched),
+                      "last": g["last"]}
+    assert_matches_reference(*jax.jit(run)(params, inputs))
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])
