@@ -101,13 +101,31 @@ class MuonState(NamedTuple):
 _SPREAD_ORDER = ("pipe", "fsdp", "data", "expert", "seq", "tensor")
 
 
-def _spread(mesh, batch: int) -> tuple[P, int]:
-    """(spec, padded) for a [batch, d_in, d_out] stack of matrices: the stack is padded with zero matrices
-    to a multiple of the device count N and split over every mesh axis, so each device orthogonalises
-    ceil(batch / N) whole matrices and no device repeats another's work (a zero matrix stays zero)."""
+def _spread(m, mesh):
+    """A [batch, d_in, d_out] stack of matrices (sharded like its parameter) -> (the stack padded with zero
+    matrices to a multiple of the device count N and split over every mesh axis, the padded size). Each
+    device then orthogonalises ceil(batch / N) whole matrices and none repeats another's work (a zero
+    matrix stays zero). The axes move onto the batch dim one at a time, the other dims left to XLA
+    (`P.UNCONSTRAINED`): each move is then one all-to-all, where a single jump from a two-axis split
+    (`fsdp` x `tensor`) makes XLA replicate the whole stack first (its "involuntary full
+    rematerialization"). `_unspread` reverses the moves."""
     axes = tuple(a for a in _SPREAD_ORDER if mesh.shape.get(a, 1) > 1)
     n = math.prod(mesh.shape[a] for a in axes)
-    return P(axes or None, None, None), -(-batch // n) * n
+    batch = m.shape[0]
+    m = jnp.pad(m, ((0, -(-batch // n) * n - batch), (0, 0), (0, 0)))
+    for k in range(1, len(axes) + 1):
+        free = P.UNCONSTRAINED if k < len(axes) else None
+        m = jax.lax.with_sharding_constraint(m, NamedSharding(mesh, P(axes[:k], free, free)))
+    return m, axes
+
+
+def _unspread(m, mesh, axes, batch: int):
+    """The inverse moves of `_spread`, then the padding dropped: from a stack no longer split, so the slice
+    moves nothing (without padding the first axis, e.g. `pipe` that already splits the layers, stays)."""
+    free = P.UNCONSTRAINED
+    for k in range(len(axes) - 1, 0 if m.shape[0] == batch else -1, -1):
+        m = jax.lax.with_sharding_constraint(m, NamedSharding(mesh, P(axes[:k] or None, free, free)))
+    return m[:batch]
 
 
 def newton_schulz(x, steps: int = 5, eps: float = 1e-8):
@@ -145,8 +163,8 @@ def scale_by_muon(dims_of, beta: float, nesterov: bool, ns_steps: int, mesh=None
     `optax.contrib.scale_by_muon`), orthogonalised per matrix by `newton_schulz`.
 
     Sharding (`mesh` given): each leaf's matrices are resharded by `_spread` (whole matrices, the stack
-    padded and split over all devices; XLA moves the shards with all-to-alls, plus gathers within the
-    tensor group of a tensor-split matrix), orthogonalised locally, and put back; without it XLA runs
+    padded and split over all devices, one mesh axis at a time, so XLA moves the shards with
+    all-to-alls), orthogonalised locally, and put back; without it XLA runs
     the iteration on the sharded matrices, with collectives inside every matmul, and every device
     repeats the work of the others that hold the same layers.
     """
@@ -157,12 +175,11 @@ def scale_by_muon(dims_of, beta: float, nesterov: bool, ns_steps: int, mesh=None
         if not isinstance(d, MuonDimensionNumbers):
             return u
         m, inverse = _as_matrices(u, d)
+        if mesh is None:
+            return inverse(jax.vmap(lambda a: newton_schulz(a, ns_steps))(m))
         batch = m.shape[0]
-        if mesh is not None:
-            spec, padded = _spread(mesh, batch)
-            m = jnp.pad(m, ((0, padded - batch), (0, 0), (0, 0)))
-            m = jax.lax.with_sharding_constraint(m, NamedSharding(mesh, spec))
-        return inverse(jax.vmap(lambda a: newton_schulz(a, ns_steps))(m)[:batch])
+        m, axes = _spread(m, mesh)
+        return inverse(_unspread(jax.vmap(lambda a: newton_schulz(a, ns_steps))(m), mesh, axes, batch))
 
     def update(updates, state, params=None):
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
