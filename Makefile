@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/quickstart
 
-.PHONY: train test clean
+.PHONY: train test mutation clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,5 +20,13 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Mutation testing (mutmut; not part of CI): the modules and tests named in pyproject.toml [tool.mutmut].
+mutation: $(STAMP)
+	$(PY) -m pip install -q mutmut
+	rm -rf mutants
+	$(VENV)/bin/mutmut run || true
+	$(VENV)/bin/mutmut results > mutation-report.txt || true
+	@echo "surviving mutants: mutation-report.txt (mutmut show NAME prints one)"
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache mutants mutation-report.txt

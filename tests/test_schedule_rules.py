@@ -49,13 +49,13 @@ def _input_activation(s, t):  # F of stage 1 at the tick of its input's F (tick 
     t0, _ = _at(s, F, 0, 0)
     t1, r = _at(s, F, 0, 1)
     _swap(t, r, t1, t0)
-    return r"F\(mb=0, chunk=\d\) runs before its input activation from stage 0"
+    return r"F\(mb=0, chunk=\d\) runs before its input activation from stage 0 \(F at tick 0\); move it"
 
 
-def _never_runs(s, t):  # the input of F(mb=0) on stage 1 is dropped
-    t0, r = _at(s, F, 0, 0)
+def _never_runs(s, t):  # the input of F(mb=1) on stage 1 is dropped
+    t0, r = _at(s, F, 1, 0)
     t[t0, r] = (IDLE, -1, -1, -1)
-    return r"needs its input activation from stage 0 \(F\(mb=0\) of stage 0\), which never runs"
+    return r"F\(mb=1, chunk=\d\) needs its input activation from stage 0 \(F\(mb=1\) of stage 0\), which never runs"
 
 
 def _own_forward(s, t):  # the last stage's backward at the tick of its own forward
@@ -118,10 +118,15 @@ def _complete(s, t):  # the very last backward piece of stage 0 dropped: nothing
     return rf"mb={M_ - 1} stage 0 \(rank 0 chunk 0\) has no {missing}; add it"
 
 
+def _no_f(s, t):  # every action of the last microbatch dropped: its first missing piece is stage 0's F
+    t[t[..., 1] == M_ - 1] = (IDLE, -1, -1, -1)
+    return rf"mb={M_ - 1} stage 0 \(rank 0 chunk 0\) has no F; add it"
+
+
 RULES = {"input-activation": _input_activation, "never-runs": _never_runs, "own-forward": _own_forward,
          "input-gradient": _input_gradient, "w-after-b": _its_b, "live-slot": _live_slot,
          "slot-mismatch": _slot_mismatch, "runs-twice": _runs_twice, "b-and-bw": _b_and_bw,
-         "complete": _complete}
+         "complete": _complete, "complete-f": _no_f}
 
 
 @pytest.mark.parametrize("rule", list(RULES))
