@@ -20,7 +20,8 @@ windows cross document boundaries. In every batch (arrays of shape [rows, seq_le
 * ``weights`` (float32): 1.0 where the target is the next token of the same document, else 0.0 (padding,
   and the last token of each document).
 
-Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens.
+Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens, which only an eval split can
+be: a train stream that short is a ``DataError`` (the training launcher refuses a short eval split too).
 
 Token files: ``NAME.uint16.bin`` / ``NAME.uint32.bin`` are raw little-endian arrays of that dtype;
 ``NAME.npy`` is a 1-D integer numpy array (any integer dtype). Documents end with ``eos_id``, which belongs to
@@ -117,7 +118,11 @@ def _text(path, eval_fraction, max_bytes):
 
 def _open_tokens(path):
     if path.endswith(".npy"):
-        tokens = np.load(path, mmap_mode="r")
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:  # not a .npy, truncated, or pickled objects
+            raise DataError(f"token file {path!r} is not a readable .npy array ({str(e).splitlines()[0]}); "
+                            "rewrite it with np.save(path, tokens) from a 1-D integer array") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise DataError(f"token file {path!r} holds {tokens.dtype}{list(tokens.shape)}; "
                             "save a 1-D integer array")
@@ -276,6 +281,9 @@ def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size
     if streams[0] is None or len(streams[0].tokens) == 0:
         raise DataError(f"source={source!r} path={path!r} has no training documents; "
                         "point path at a non-empty corpus or lower eval_fraction")
+    if len(streams[0].tokens) < seq_len + 1:  # every row would be mostly padding: a loss of nothing
+        raise DataError(f"source={source!r} path={path!r} has {len(streams[0].tokens)} training tokens, fewer than "
+                        f"seq_len + 1 = {seq_len + 1}; lower seq_len or add documents")
     return Dataset(source, seq_len, global_batch_size, vocab_size, seed, dict(zip(SPLITS, streams)))
 
 

@@ -50,6 +50,10 @@ def make_dataset(config) -> data_lib.Dataset:
     if t.eval_every and dataset.streams["eval"] is None:
         raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: the corpus at {d.path or 'the default'} "
                           f"has no eval documents; raise eval_fraction or set train.eval_every=0")
+    if t.eval_every and len(dataset.streams["eval"].tokens) < t.seq_len + 1:  # eval would be mostly padding
+        raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: the corpus at {d.path or 'the default'} "
+                          f"has {len(dataset.streams['eval'].tokens)} eval tokens, fewer than train.seq_len + 1 = "
+                          f"{t.seq_len + 1}; raise eval_fraction, lower seq_len or set train.eval_every=0")
     return dataset
 
 

@@ -148,17 +148,46 @@ def test_stdlib_text_default_loads_within_max_bytes():
     assert ds.describe().startswith("text: ")
 
 
-def test_short_stream_is_padded_with_zero_weight(tmp_path):
+def test_short_eval_stream_is_padded_with_zero_weight(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "b.txt").write_text("world!")
+    (tmp_path / "long.txt").write_text("x" * 40)
     ds = data.make_dataset("text", str(tmp_path), seq_len=16, global_batch_size=2, seed=0,
                            vocab_size=256, eval_fraction=0.0)
-    batch = ds.batch(0)
+    ds = data.Dataset(ds.source, ds.seq_len, 2, 256, 0,
+                      {"train": ds.streams["train"], "eval": data._Stream(ds.streams["train"].tokens[:11],
+                                                                          np.array([0, 5]))})
+    batch = ds.batch(0, "eval")
     _check_packing(batch)
     np.testing.assert_array_equal(batch["segment_ids"][0], [1] * 5 + [2] * 6 + [0] * 5)
     np.testing.assert_array_equal(batch["positions"][0][:11], list(range(5)) + list(range(6)))
     assert batch["inputs"][0][:11].astype(np.uint8).tobytes() == b"helloworld!"
     assert batch["weights"][0].sum() == 4 + 5
+
+
+def test_train_stream_shorter_than_a_row_is_an_error(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "b.txt").write_text("world!")
+    with pytest.raises(data.DataError, match=r"has 11 training tokens, fewer than seq_len \+ 1 = 17; lower seq_len"):
+        data.make_dataset("text", str(tmp_path), seq_len=16, global_batch_size=2, seed=0, vocab_size=256,
+                          eval_fraction=0.0)
+    assert len(data.make_dataset("text", str(tmp_path), seq_len=10, global_batch_size=2, seed=0, vocab_size=256,
+                                 eval_fraction=0.0).streams["train"].tokens) == 11
+
+
+@pytest.mark.parametrize("content", [b"garbage, not numpy", "truncated", "objects"])
+def test_corrupt_npy_token_file_is_one_line_naming_the_file(tmp_path, content):
+    path = tmp_path / "corpus.npy"
+    if content == "truncated":
+        np.save(path, np.arange(1000, dtype=np.int32))
+        path.write_bytes(path.read_bytes()[:300])
+    elif content == "objects":
+        np.save(path, np.array([object()], dtype=object))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(data.DataError, match=r"token file '.*corpus.npy' is not a readable .npy array .*np.save") as info:
+        data.make_dataset("tokens", str(path), seq_len=4, global_batch_size=2, seed=0, vocab_size=512, eos_id=0)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("name,dtype", [("corpus.uint16.bin", np.uint16), ("corpus.uint32.bin", np.uint32),
@@ -228,7 +257,7 @@ def test_indivisible_batch_and_missing_eval_raise_data_error(synthetic, tmp_path
         synthetic.batch(0, process_count=3)
     with pytest.raises(data.DataError, match=r"split='test' is unknown"):
         synthetic.batch(0, "test")
-    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "a.txt").write_text("abcde")
     ds = data.make_dataset("text", str(tmp_path), seq_len=4, global_batch_size=2, seed=0, vocab_size=256,
                            eval_fraction=0.0)
     with pytest.raises(data.DataError, match=r"'eval' split .* has no documents; raise eval_fraction"):
