@@ -27,7 +27,8 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         muon_beta=0.95, muon_nesterov=True, muon_ns_steps=5, muon_scale="rms", muon_rms=0.2, muon_exclude="vocab",
         grad_delay=0, delay_correction="none"))
     c.pipeline = ml_collections.ConfigDict(dict(schedule="1f1b", microbatches=4, virtual_stages=1, remat=False))
-    c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1))
+    c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1,
+                                             sampler="random"))
     c.sharding = ml_collections.ConfigDict()
     c.sharding.rules = ml_collections.ConfigDict(make_rules(extra=model_class(model).rules))
     return c.lock()

@@ -44,7 +44,7 @@ def make_dataset(config) -> data_lib.Dataset:
         dataset = data_lib.make_dataset(
             d.source, d.path, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=t.seed,
             vocab_size=config.model.vocab_size, eval_fraction=d.eval_fraction,
-            eos_id=None if d.eos_id < 0 else d.eos_id)
+            eos_id=None if d.eos_id < 0 else d.eos_id, sampler=d.sampler)
     except data_lib.DataError as e:
         raise ConfigError(f"config.data: {e}") from None
     if t.eval_every and dataset.streams["eval"] is None:
@@ -222,7 +222,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         _check_finite(step, metrics, t.nan_policy, log)
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), "tokens_per_sec": t.global_batch_size * t.seq_len / dt,
-                  "step_time_s": dt}
+                  "step_time_s": dt, "epoch": round(dataset.epoch(step), 6)}
         if step == first_step + 1:
             record["includes_compile"] = True
         if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):

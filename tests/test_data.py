@@ -1,4 +1,5 @@
 """Tests for parallax.data: determinism, host slicing, packing invariants, splits, sources, errors."""
+import os
 import re
 
 import jax
@@ -185,7 +186,7 @@ def test_corrupt_npy_token_file_is_one_line_naming_the_file(tmp_path, content):
         np.save(path, np.array([object()], dtype=object))
     else:
         path.write_bytes(content)
-    with pytest.raises(data.DataError, match=r"token file '.*corpus.npy' is not a readable .npy array .*np.save") as info:
+    with pytest.raises(data.DataError, match=r"token file '.*corpus.npy' is not a (readable )?.npy (array|file) .*np.save") as info:
         data.make_dataset("tokens", str(path), seq_len=4, global_batch_size=2, seed=0, vocab_size=512, eos_id=0)
     assert "\n" not in str(info.value)
 
@@ -281,3 +282,42 @@ def test_host_rows_follow_the_batch_sharding():
     assert data.host_rows(by_data, (16, 8)) == (0, 16)  # one process holds every row
     replicated = NamedSharding(mesh, P(None, "seq"))
     assert data.host_rows(replicated, (16, 8)) == (0, 16)
+
+
+def test_token_index_is_cached_beside_the_file_and_rebuilt_when_it_changes(tmp_path, monkeypatch):
+    calls = []
+    scan = data._scan_tokens
+    monkeypatch.setattr(data, "_scan_tokens", lambda *a: calls.append(1) or scan(*a))
+    path, _ = _write_tokens(tmp_path, "c.uint16.bin", [np.arange(1, 30), np.arange(5, 9)], 0, np.uint16)
+
+    def load(eos_id=0):
+        ds = data.make_dataset("tokens", path, seq_len=4, global_batch_size=2, seed=0, vocab_size=64,
+                               eos_id=eos_id, eval_fraction=0.0)
+        return ds.streams["train"].starts.tolist()
+
+    first = load()
+    assert first == [0, 30] and len(calls) == 1 and os.path.exists(path + ".index.npz")
+    assert load() == first and len(calls) == 1, "the second start reads the index, it does not rescan"
+    assert load(eos_id=5) == [0, 5, 31] and len(calls) == 2, "another eos id is another index"
+    np.append(np.arange(1, 40), 0).astype(np.uint16).tofile(path)  # the file changed: size and mtime
+    assert load() == [0] and len(calls) == 3
+    with pytest.raises(data.DataError, match=r"holds id 39, outside vocab_size=32"):  # checked from the index
+        data.make_dataset("tokens", path, seq_len=4, global_batch_size=2, seed=0, vocab_size=32, eos_id=0)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("batch_size", [4, 3])
+def test_epoch_sampler_visits_every_window_once_per_epoch(tmp_path, batch_size):
+    n, seq_len = 8 * 40 + 1, 8  # 40 windows of 9 tokens starting every 8
+    path = tmp_path / "ramp.uint32.bin"
+    np.append(np.arange(1, n), 0).astype(np.uint32).tofile(path)  # token i+1 at offset i: inputs name offsets
+    kwargs = dict(seq_len=seq_len, global_batch_size=batch_size, seed=3, vocab_size=n + 1, eos_id=0,
+                  eval_fraction=0.0, sampler="epoch")
+    ds = data.make_dataset("tokens", str(path), **kwargs)
+    starts = np.concatenate([ds.batch(step)["inputs"][:, 0] - 1 for step in range((80 + batch_size - 1) // batch_size)])
+    first, second = starts[:40], starts[40:80]
+    assert sorted(first) == sorted(second) == list(range(0, 40 * seq_len, seq_len))
+    assert list(first) != list(second), "each epoch has its own order"
+    assert ds.epoch(40 // batch_size) == pytest.approx(40 // batch_size * batch_size / 40)
+    again = data.make_dataset("tokens", str(path), **kwargs)  # a restart: step 6 alone gives step 6's batch
+    np.testing.assert_array_equal(again.batch(6)["inputs"], ds.batch(6)["inputs"])
