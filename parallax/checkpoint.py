@@ -40,7 +40,9 @@ class Checkpointer:
     are deleted when the manager starts (`cleanup_tmp_directories`).
     """
 
-    def __init__(self, directory, every: int, keep: int, async_save: bool = True):
+    def __init__(self, directory, every: int, keep: int, async_save: bool = True, cleanup: bool = True):
+        """`cleanup=False` for a reader (e.g. sampling while a run trains), which must not delete the temp
+        directory of a save in progress."""
         if "://" not in str(directory):  # Orbax wants absolute local paths; gs:// and other URLs stay as they are
             directory = os.path.abspath(directory)
         self.directory = epath.Path(directory)
@@ -55,7 +57,7 @@ class Checkpointer:
             save_decision_policy=save_decision_policy.AnySavePolicy(policies),
             preservation_policy=preservation_policy.LatestN(int(keep)),
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=cleanup,
         )
         with _quiet():
             self.manager = ocp.CheckpointManager(self.directory, options=options)

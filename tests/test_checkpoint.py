@@ -177,6 +177,10 @@ def test_rerun_after_a_kill_drops_repeated_metrics_and_orbax_temp_dirs(tmp_path)
     (tmp / "partial").write_bytes(b"\0")
     train_and_evaluate(_config(6), str(workdir), log=_quiet)
     assert [step for step, _ in _losses(workdir)] == [1, 2, 3, 4, 5, 6]
+    from parallax.train import make_dataset
+    with open(workdir / "metrics.jsonl") as f:
+        last = json.loads(f.read().splitlines()[-1])
+    assert last["epoch"] == pytest.approx(make_dataset(_config(6)).epoch(6), abs=1e-6) and last["epoch"] > 0
     assert not tmp.exists() and sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
 
 
@@ -201,3 +205,36 @@ def test_orbax_preemption_notice_saves_and_stops(tmp_path, monkeypatch):
     assert result.preempted and [r["step"] for r in result.history][-1] == 5
     assert "received a preemption notice: saved step 5" in lines[-1]
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["5"]
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_logs_each_step_once(tmp_path):
+    """A real SIGKILL between checkpoints: the rerun resumes at the last checkpoint and metrics.jsonl ends up
+    with every step exactly once, with no Orbax temp directory left."""
+    workdir = str(tmp_path / "run")
+    args = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
+            f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8", "--config.train.steps=100000",
+            "--config.train.log_every=1", "--config.train.checkpoint_every=3", "--config.train.eval_every=0",
+            "--config.optim.decay_steps=1000"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = os.path.join(workdir, "metrics.jsonl")
+
+    def steps_logged():  # the kill may tear the last line
+        if not os.path.exists(metrics):
+            return []
+        with open(metrics) as f:
+            return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+    deadline = time.time() + 180
+    while time.time() < deadline and not (len(steps_logged()) >= 5 and steps_logged()[-1] % 3):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=60)
+    logged = steps_logged()[-1]
+    saved = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
+    assert logged >= max(saved, default=0)  # almost always >: lines past the last checkpoint to drop
+    args[6] = f"--config.train.steps={logged + 2}"
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert [step for step, _ in _losses(workdir)] == list(range(1, logged + 3))
+    assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if "orbax-checkpoint-tmp" in n]
