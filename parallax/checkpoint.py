@@ -8,40 +8,82 @@ target shardings from an abstract state, so the arrays land directly on the curr
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
 
+from parallax.config import ConfigError
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Orbax logs unreadable checkpoint metadata as errors while listing and restoring; a failure is reported
+    as one ConfigError line instead, so its log lines would only break the one-line contract."""
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.FATAL)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
 
 class Checkpointer:
-    """Thin wrapper around `ocp.CheckpointManager` for one workdir."""
+    """Thin wrapper around `ocp.CheckpointManager` for one workdir.
 
-    def __init__(self, directory, every: int, keep: int, async_save: bool = True):
+    Saves every `every` steps and, when JAX's preemption service is running (multi-process runs started with
+    `jax.distributed.initialize`), at the step Orbax's `PreemptionCheckpointingPolicy` says all hosts agreed
+    on after a preemption notice. Temporary directories a killed save left behind (`*.orbax-checkpoint-tmp*`)
+    are deleted when the manager starts (`cleanup_tmp_directories`).
+    """
+
+    def __init__(self, directory, every: int, keep: int, async_save: bool = True, cleanup: bool = True):
+        """`cleanup=False` for a reader (e.g. sampling while a run trains), which must not delete the temp
+        directory of a save in progress."""
         if "://" not in str(directory):  # Orbax wants absolute local paths; gs:// and other URLs stay as they are
             directory = os.path.abspath(directory)
         self.directory = epath.Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ConfigError(f"{self.directory}: is a file, not a checkpoint directory; move it away or use a "
+                              "new --workdir")
         self.every = int(every)
+        policies = [save_decision_policy.PreemptionCheckpointingPolicy()]
+        if self.every > 0:
+            policies.insert(0, save_decision_policy.FixedIntervalPolicy(self.every))
         options = ocp.CheckpointManagerOptions(
-            save_decision_policy=save_decision_policy.FixedIntervalPolicy(max(self.every, 1)),
+            save_decision_policy=save_decision_policy.AnySavePolicy(policies),
             preservation_policy=preservation_policy.LatestN(int(keep)),
             enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=cleanup,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with _quiet():
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def restore(self, abstract_state, step: int | None = None):
-        """Restores `step` (default: latest) onto the shardings of `abstract_state` (ShapeDtypeStructs)."""
+        """Restores `step` (default: latest) onto the shardings of `abstract_state` (ShapeDtypeStructs); a
+        checkpoint that cannot be read (corrupt, or not written by a run of this config) is a ConfigError."""
         step = self.latest_step() if step is None else step
-        return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        try:
+            with _quiet():
+                return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        except Exception as e:  # noqa: BLE001 -- Orbax raises many types here; all mean "not this run's checkpoint"
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(f"checkpoint {self.directory / str(step)} cannot be restored ({type(e).__name__}: "
+                              f"{reason}); it is corrupt or from another run: move that step directory away to "
+                              "resume from an earlier one, or use a new --workdir") from None
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether JAX's preemption service says every host should save at `step` and stop."""
+        return bool(self.manager.reached_preemption(step))
 
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
-        """Saves when the interval says so (or `force`); returns whether a save started."""
-        if self.every <= 0 and not force:
-            return False
+        """Saves when the interval or a preemption says so (or `force`); returns whether a save started."""
         return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
 
     def close(self):

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import difflib
 import importlib.util
 import os
+import re
+import traceback
 
 import ml_collections
 
@@ -22,16 +25,57 @@ class ConfigError(ValueError):
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
-    """Imports a config file and returns its `get_config()`."""
+    """Imports a config file and returns its `get_config()`. Anything the file raises (a syntax error, a key
+    that the locked `default_config()` does not have, any exception) is a one-line ConfigError naming the
+    file and line."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config={path}: no such file; pass a file such as configs/quickstart.py")
     name = "parallax_config_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"--config={path}: the file defines no get_config(); add one returning a ConfigDict")
-    return module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"--config={path}: the file defines no get_config(); add one returning a ConfigDict")
+        return module.get_config()
+    except ConfigError:
+        raise
+    except SyntaxError as e:  # also IndentationError
+        raise ConfigError(f"--config={path}:{e.lineno}: {type(e).__name__}: {e.msg}; fix that line") from None
+    except Exception as e:  # noqa: BLE001 -- anything the user's file raises becomes one line naming it
+        raise ConfigError(_describe_config_file_error(path, e)) from None
+
+
+_LOCKED_KEY = re.compile(r'Key "([^"]+)" does not exist and cannot be added since the config is locked')
+
+
+def _describe_config_file_error(path: str, error: Exception) -> str:
+    """One line for an exception raised while running a config file: the file's line that raised it, and
+    for a key the (locked) default config does not have, the closest valid keys of that section."""
+    frames = traceback.extract_tb(error.__traceback__)
+    lines = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
+    where = f"{path}:{lines[-1].lineno}" if lines else path
+    code = f" ({lines[-1].line.strip()})" if lines and lines[-1].line else ""
+    unknown = _LOCKED_KEY.search(str(error))
+    if unknown:
+        key, section = unknown.group(1), _raising_config_dict(error.__traceback__)
+        valid = sorted(section.keys()) if section is not None else []
+        close = difflib.get_close_matches(key, valid, n=3) or valid
+        return (f"--config={where}: unknown key {key!r}{code}; close valid keys: {', '.join(close)} (configs "
+                f"start from default_config(), which holds every key; a model's own come from its config_defaults())")
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"--config={where}: {type(error).__name__}: {message}{code}; fix the config file"
+
+
+def _raising_config_dict(tb):
+    """The locked ConfigDict that refused a new key (the innermost ConfigDict method's `self`), or None."""
+    found = None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, ml_collections.ConfigDict):
+            found = candidate
+        tb = tb.tb_next
+    return found
 
 
 def _parse_value(key: str, text: str, current):

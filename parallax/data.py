@@ -10,8 +10,9 @@ batch together hold exactly the batch one host would have read.
 
 Each split is one precomputed stream: the split's documents concatenated (a 1-D token array, memory-mapped
 for token files) plus the offset at which each document starts. A row is the window of ``seq_len + 1``
-tokens starting at a pseudo-random offset drawn from ``np.random.default_rng([seed, split, step, row])``;
-windows cross document boundaries. In every batch (arrays of shape [rows, seq_len]):
+tokens starting at a pseudo-random offset drawn from ``np.random.default_rng([seed, split, step, row])``
+(sampler 'random'), or at the next window of the epoch's seeded permutation (sampler 'epoch', see
+``make_dataset``); windows cross document boundaries. In every batch (arrays of shape [rows, seq_len]):
 
 * ``inputs`` / ``targets`` (int32): the window's tokens and the tokens one place later;
 * ``segment_ids`` (int32): 1, 2, ... for the documents inside the row, 0 for padding;
@@ -20,16 +21,22 @@ windows cross document boundaries. In every batch (arrays of shape [rows, seq_le
 * ``weights`` (float32): 1.0 where the target is the next token of the same document, else 0.0 (padding,
   and the last token of each document).
 
-Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens.
+Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens, which only an eval split can
+be: a train stream that short is a ``DataError`` (the training launcher refuses a short eval split too).
 
 Token files: ``NAME.uint16.bin`` / ``NAME.uint32.bin`` are raw little-endian arrays of that dtype;
-``NAME.npy`` is a 1-D integer numpy array (any integer dtype). Documents end with ``eos_id``, which belongs to
+``NAME.npy`` is a 1-D integer numpy array (any integer dtype). The first load scans the file once (smallest and
+largest id, document ends) and caches that in ``<file>.index.npz`` beside it, keyed by the file's size and
+mtime and the eos id, so later starts do not rescan. Documents end with ``eos_id``, which belongs to
 the document it ends; the eval split is the last ``eval_fraction`` of the tokens, cut at a document start.
 """
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -117,7 +124,15 @@ def _text(path, eval_fraction, max_bytes):
 
 def _open_tokens(path):
     if path.endswith(".npy"):
-        tokens = np.load(path, mmap_mode="r")
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise DataError(f"token file {path!r} is not a .npy file (no NUMPY header); rewrite it with "
+                                "np.save(path, tokens) from a 1-D integer array")
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:  # not a .npy, truncated, or pickled objects
+            raise DataError(f"token file {path!r} is not a readable .npy array ({str(e).splitlines()[0]}); "
+                            "rewrite it with np.save(path, tokens) from a 1-D integer array") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise DataError(f"token file {path!r} holds {tokens.dtype}{list(tokens.shape)}; "
                             "save a 1-D integer array")
@@ -130,6 +145,46 @@ def _open_tokens(path):
             return np.memmap(path, dtype=dtype, mode="r")
     raise DataError(f"token file {path!r} has an unknown dtype; name it NAME.uint16.bin, "
                     "NAME.uint32.bin or NAME.npy")
+
+
+def _scan_tokens(tokens, eos_id):
+    """One pass over a token file: its smallest and largest id and the end (one past) of each eos."""
+    lowest, highest, ends = None, None, []
+    for lo in range(0, len(tokens), _SCAN_CHUNK):
+        chunk = np.asarray(tokens[lo : lo + _SCAN_CHUNK])
+        lo_id, hi_id = int(chunk.min()), int(chunk.max())
+        lowest = lo_id if lowest is None else min(lowest, lo_id)
+        highest = hi_id if highest is None else max(highest, hi_id)
+        ends.append(lo + np.flatnonzero(chunk == eos_id) + 1)
+    return lowest, highest, np.concatenate(ends).astype(np.int64)
+
+
+def _token_index(path, tokens, eos_id):
+    """`_scan_tokens`, cached beside the file in ``PATH.index.npz`` (keyed by the file's size, mtime and the
+    eos id), so that a restart does not rescan a corpus of billions of tokens. A read-only directory just
+    means no cache; a stale or unreadable cache is rebuilt."""
+    index_path = path + ".index.npz"
+    stat = os.stat(path)
+    key = np.array([stat.st_size, stat.st_mtime_ns, eos_id], np.int64)
+    try:
+        with np.load(index_path) as cached:
+            if np.array_equal(cached["key"], key):
+                return int(cached["lowest"]), int(cached["highest"]), cached["ends"]
+    except (OSError, ValueError, KeyError, EOFError):  # none yet, or unreadable: rebuild
+        pass
+    lowest, highest, ends = _scan_tokens(tokens, eos_id)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=os.path.basename(index_path) + ".",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, key=key, lowest=lowest, highest=highest, ends=ends)
+        os.replace(tmp, index_path)  # atomic: a concurrent reader sees the old index or the whole new one
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    return lowest, highest, ends
 
 
 def _token_streams(path, vocab_size, eval_fraction, eos_id):
@@ -145,15 +200,11 @@ def _token_streams(path, vocab_size, eval_fraction, eos_id):
     tokens = _open_tokens(path)
     if len(tokens) == 0:
         raise DataError(f"token file {path!r} is empty; write tokens to it first")
-    ends = []
-    for lo in range(0, len(tokens), _SCAN_CHUNK):
-        chunk = np.asarray(tokens[lo : lo + _SCAN_CHUNK])
-        if int(chunk.max()) >= vocab_size or int(chunk.min()) < 0:
-            bad = int(chunk.max()) if int(chunk.max()) >= vocab_size else int(chunk.min())
-            raise DataError(f"token file {path!r} holds id {bad}, outside vocab_size={vocab_size}; "
-                            "raise vocab_size to the tokenizer's vocab size")
-        ends.append(lo + np.flatnonzero(chunk == eos_id) + 1)
-    ends = np.concatenate(ends)
+    lowest, highest, ends = _token_index(path, tokens, eos_id)
+    if highest >= vocab_size or lowest < 0:
+        bad = highest if highest >= vocab_size else lowest
+        raise DataError(f"token file {path!r} holds id {bad}, outside vocab_size={vocab_size}; "
+                        "raise vocab_size to the tokenizer's vocab size")
     starts = np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
     later = starts[starts >= len(tokens) * (1.0 - eval_fraction)]
     cut = int(later[0]) if eval_fraction > 0 and len(later) else len(tokens)
@@ -172,6 +223,7 @@ class Dataset:
     vocab_size: int
     seed: int
     streams: dict  # split -> _Stream, or None when the split has no documents
+    sampler: str = "random"  # see make_dataset
 
     def batch(self, step: int, split: str = "train", *, process_index: int = 0,
               process_count: int = 1, rows: tuple[int, int] | None = None) -> dict:
@@ -206,8 +258,18 @@ class Dataset:
         n_starts = len(stream.tokens) - self.seq_len  # windows of seq_len + 1 tokens that fit
         if n_starts <= 0:
             return 0
+        if self.sampler == "epoch":  # row `row` of `step` is window number step * B + row of the epoch order
+            n_windows = _num_windows(len(stream.tokens), self.seq_len)
+            epoch, i = divmod(step * self.global_batch_size + row, n_windows)
+            return int(_epoch_order(self.seed, SPLITS.index(split), epoch, n_windows)[i]) * self.seq_len
         rng = np.random.default_rng([self.seed, SPLITS.index(split), step, row])
         return int(rng.integers(0, n_starts))
+
+    def epoch(self, step: int) -> float:
+        """Epochs of the train split consumed before `step`: rows read / train windows (exact for the
+        epoch sampler; the random sampler's expected coverage is lower)."""
+        windows = _num_windows(len(self.streams["train"].tokens), self.seq_len)
+        return step * self.global_batch_size / windows
 
     def describe(self) -> str:
         """One line: the source, the number of documents, and the train / eval token counts."""
@@ -216,6 +278,19 @@ class Dataset:
         return (f"{self.source}: {sum(len(s.starts) for s in streams)} documents, "
                 f"{n_tokens['train']} train / {n_tokens['eval']} eval tokens, "
                 f"rows of {self.seq_len} tokens, global batch {self.global_batch_size}")
+
+
+def _num_windows(n_tokens: int, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens starting every seq_len tokens (so each target is in exactly one)."""
+    return max((n_tokens - 1) // seq_len, 1)
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, split: int, epoch: int, n_windows: int) -> np.ndarray:
+    """The epoch's seeded permutation of the window numbers (a pure function of its arguments)."""
+    order = np.random.default_rng([seed, split, epoch]).permutation(n_windows)
+    order.flags.writeable = False
+    return order
 
 
 def _pack(stream, seq_len, offsets):
@@ -239,12 +314,17 @@ def _pack(stream, seq_len, offsets):
 
 def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size: int, seed: int,
                  vocab_size: int, eval_fraction: float = 0.05, eos_id: int | None = None,
-                 max_bytes: int = 64 << 20) -> Dataset:
+                 max_bytes: int = 64 << 20, sampler: str = "random") -> Dataset:
     """Loads ``source`` ('synthetic', 'text' or 'tokens'; see the module doc) and returns a Dataset.
 
     ``eos_id`` is required for 'tokens'; for 'synthetic' and 'text' it is optional and, when given, appended
-    to every document. 'text' reads at most ``max_bytes`` bytes of files.
+    to every document. 'text' reads at most ``max_bytes`` bytes of files. ``sampler``: 'random' draws each
+    row's window start independently (with replacement); 'epoch' cuts the split into windows starting every
+    ``seq_len`` tokens and reads them in a seeded permutation per epoch, each exactly once per epoch (global
+    row ``step * global_batch_size + row`` is that order's entry, so resuming still needs only the step).
     """
+    if sampler not in ("random", "epoch"):
+        raise DataError(f"sampler={sampler!r} is unknown; use 'random' or 'epoch'")
     if seq_len < 1 or global_batch_size < 1:
         raise DataError(f"seq_len={seq_len}, global_batch_size={global_batch_size}: both must be >= 1")
     if seed < 0:
@@ -276,7 +356,10 @@ def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size
     if streams[0] is None or len(streams[0].tokens) == 0:
         raise DataError(f"source={source!r} path={path!r} has no training documents; "
                         "point path at a non-empty corpus or lower eval_fraction")
-    return Dataset(source, seq_len, global_batch_size, vocab_size, seed, dict(zip(SPLITS, streams)))
+    if len(streams[0].tokens) < seq_len + 1:  # every row would be mostly padding: a loss of nothing
+        raise DataError(f"source={source!r} path={path!r} has {len(streams[0].tokens)} training tokens, fewer than "
+                        f"seq_len + 1 = {seq_len + 1}; lower seq_len or add documents")
+    return Dataset(source, seq_len, global_batch_size, vocab_size, seed, dict(zip(SPLITS, streams)), sampler)
 
 
 def host_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:

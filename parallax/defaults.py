@@ -12,7 +12,8 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     """Every key parallax reads, with its default, for model `model`: a registered name (an entry point
     of group `parallax.models`, e.g. `llama`), `package.module:Class`, or `path/to/file.py:Class`.
     `config.model` holds the generic model keys (`parallax.model.GENERIC_KEYS`) and the model's own (its
-    `config_defaults()`). Overrides of keys not listed here are errors."""
+    `config_defaults()`). The dict is locked: setting a key not listed here (a typo such as
+    `config.train.stpes = 5`) raises instead of adding a key nothing reads; so do overrides of such keys."""
     c = ml_collections.ConfigDict()
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, pipe=1, expert=1, seq=1, tensor=1))
     c.model = ml_collections.ConfigDict(model_config_defaults(model))
@@ -26,10 +27,11 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         muon_beta=0.95, muon_nesterov=True, muon_ns_steps=5, muon_scale="rms", muon_rms=0.2, muon_exclude="vocab",
         grad_delay=0, delay_correction="none"))
     c.pipeline = ml_collections.ConfigDict(dict(schedule="1f1b", microbatches=4, virtual_stages=1, remat=False))
-    c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1))
+    c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1,
+                                             sampler="random"))
     c.sharding = ml_collections.ConfigDict()
     c.sharding.rules = ml_collections.ConfigDict(make_rules(extra=model_class(model).rules))
-    return c
+    return c.lock()
 
 
 def with_defaults(saved):

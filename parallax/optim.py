@@ -293,6 +293,16 @@ def check(optim_config) -> None:
                           f"in [0, 1) and muon_rms={o.muon_rms} > 0")
 
 
+def schedule_count(opt_state) -> jax.Array:
+    """The LR schedule's index for the next update: the updates applied so far. It lags `state['step']` by
+    the first step under `grad_delay` (which applies nothing) and by every step `nan_policy=skip` dropped,
+    since both leave the whole optimizer state, its counts included, as it was."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "ScaleByScheduleState")
+    if not found:
+        raise ValueError("the optimizer state holds no ScaleByScheduleState; make_optimizer builds one")
+    return found[0][1].count
+
+
 def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None) -> optax.GradientTransformation:
     """The optimizer `optim` names (adamw | muon), after global-norm clipping when `optim.clip_norm` > 0,
     applied one step late when `optim.grad_delay` is 1 (with `optim.delay_correction`). `mesh`: where Muon spreads its Newton-Schulz."""

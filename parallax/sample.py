@@ -56,7 +56,7 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
     for axis in config.mesh:
         config.mesh[axis] = 1
     trainer = Trainer(config, devices=jax.devices()[:1])
-    checkpointer = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1)
+    checkpointer = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1, cleanup=False)  # a reader
     step = checkpointer.latest_step()
     if step is None:
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train first (make train)")

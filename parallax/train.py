@@ -44,12 +44,16 @@ def make_dataset(config) -> data_lib.Dataset:
         dataset = data_lib.make_dataset(
             d.source, d.path, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=t.seed,
             vocab_size=config.model.vocab_size, eval_fraction=d.eval_fraction,
-            eos_id=None if d.eos_id < 0 else d.eos_id)
+            eos_id=None if d.eos_id < 0 else d.eos_id, sampler=d.sampler)
     except data_lib.DataError as e:
         raise ConfigError(f"config.data: {e}") from None
     if t.eval_every and dataset.streams["eval"] is None:
         raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: the corpus at {d.path or 'the default'} "
                           f"has no eval documents; raise eval_fraction or set train.eval_every=0")
+    if t.eval_every and len(dataset.streams["eval"].tokens) < t.seq_len + 1:  # eval would be mostly padding
+        raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: the corpus at {d.path or 'the default'} "
+                          f"has {len(dataset.streams['eval'].tokens)} eval tokens, fewer than train.seq_len + 1 = "
+                          f"{t.seq_len + 1}; raise eval_fraction, lower seq_len or set train.eval_every=0")
     return dataset
 
 
@@ -81,7 +85,10 @@ def check_resume(config, saved_json: str) -> None:
     """Raises ConfigError if `config` changes a key that an exact resume depends on (vs the saved config).
 
     The mesh, the pipeline, logging keys and the memory knobs `model.attention_block` / `model.loss_chunk`
-    may change; the rest of the model, data, optimizer, seed, batch and sequence length may not. `train.steps` may grow only when `optim.decay_steps` fixes the LR schedule.
+    may change; the rest of the model, data, optimizer, seed, batch and sequence length may not. The LR
+    schedule's horizon (`optim.decay_steps`, or `train.steps` when it is 0) may not change either, but how it
+    is spelled may: a run of `train.steps=3` with `decay_steps=0` continues with `decay_steps=3` and any
+    `train.steps` -- the fix the refusal suggests.
     """
     saved = _flatten(json.loads(saved_json))
     if "model.name" in saved:  # keys added since the checkpoint was written compare as their defaults
@@ -92,14 +99,19 @@ def check_resume(config, saved_json: str) -> None:
     if "model.name" not in saved:
         raise ConfigError("config.model.name: the checkpoint in this workdir was written before models were named "
                           "in the config (and with other parameter names); use a new --workdir")
-    if not config.optim.decay_steps:
-        keys.append("train.steps")
     for key in keys:
-        if key in saved and saved[key] != now[key]:
-            hint = (f"; set optim.decay_steps={saved[key]} to extend the run with the same LR schedule"
-                    if key == "train.steps" else "; use a new --workdir to start a different run")
+        if key != "optim.decay_steps" and key in saved and saved[key] != now[key]:
             raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was trained with "
-                              f"{saved[key]!r}, so resuming would not continue the same run{hint}")
+                              f"{saved[key]!r}, so resuming would not continue the same run; use a new --workdir "
+                              "to start a different run")
+    if "train.steps" in saved and "optim.decay_steps" in saved:
+        horizon = saved["optim.decay_steps"] or saved["train.steps"]  # lr_schedule's: decay_steps or train.steps
+        if (now["optim.decay_steps"] or now["train.steps"]) != horizon:
+            key = "optim.decay_steps" if now["optim.decay_steps"] else "train.steps"
+            raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was trained with {horizon} "
+                              f"as the LR schedule's length (train.steps={saved['train.steps']}, optim.decay_steps="
+                              f"{saved['optim.decay_steps']}), so resuming would not continue the same run; set "
+                              f"optim.decay_steps={horizon} to extend the run with the same LR schedule")
 
 
 def _stop_requested(flag: bool) -> bool:
@@ -139,12 +151,23 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
 
 def _start(trainer, dataset, checkpointer, workdir, lead, log):
     """The state to train from: restored from the latest checkpoint (after checking that the config
-    continues the same run), or freshly initialised (writing `config.json`)."""
+    continues the same run), or freshly initialised (writing `config.json`). A workdir that cannot be resumed
+    (checkpoints without config.json, an unreadable checkpoint) is a ConfigError before anything is written."""
     config = trainer.config
     start = checkpointer.latest_step()
     config_path = workdir / "config.json"
-    if start is not None and config_path.exists():
-        check_resume(config, config_path.read_text())
+    if start is not None:
+        if not config_path.exists():
+            raise ConfigError(f"--workdir={workdir}: has checkpoints (latest step {start}) but no config.json, so "
+                              "this config cannot be checked against the run that wrote them; put that run's "
+                              "config.json back, or use a new --workdir")
+        try:
+            check_resume(config, config_path.read_text())
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{config_path}: not a parallax config ({type(e).__name__}: {e}); put back the "
+                              "config.json of the run that wrote the checkpoints, or use a new --workdir") from None
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
         if start is None:
@@ -152,10 +175,34 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log):
     log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {config.model.name} "
         f"{trainer.num_params / 1e6:.2f}M params; {dataset.describe()}")
     if start is None:
-        return trainer.init_state()
-    state = checkpointer.restore(trainer.abstract_state(), start)  # straight onto the mesh's shardings
-    log(f"resumed from {checkpointer.directory} at step {start}")
+        state = trainer.init_state()
+    else:
+        state = checkpointer.restore(trainer.abstract_state(), start)  # straight onto the mesh's shardings
+        log(f"resumed from {checkpointer.directory} at step {start}")
+    if lead:  # only once the state is in hand: a refused resume leaves the workdir as it was
+        _truncate_metrics(workdir / "metrics.jsonl", start or 0)
     return state
+
+
+def _truncate_metrics(path, step: int) -> None:
+    """Drops the lines of steps after `step` (the checkpoint resumed from) that a killed run had logged, and
+    any torn last line, so the rerun's lines do not repeat them; rewritten atomically (temp file + rename)."""
+    if not path.exists():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            if int(record["step"]) <= step:
+                kept.append(line)
+                continue
+        except (ValueError, KeyError, TypeError):
+            pass
+        dropped += 1
+    if dropped:
+        tmp = path.parent / (path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
 
 
 def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested) -> TrainResult:
@@ -175,7 +222,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         _check_finite(step, metrics, t.nan_policy, log)
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), "tokens_per_sec": t.global_batch_size * t.seq_len / dt,
-                  "step_time_s": dt}
+                  "step_time_s": dt, "epoch": round(dataset.epoch(step), 6)}
         if step == first_step + 1:
             record["includes_compile"] = True
         if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):
@@ -188,10 +235,12 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
                     f.write(json.dumps(record) + "\n")
             eta = (time.perf_counter() - run_start) / (step - first_step) * (t.steps - step)
             log(_progress_line(record, t.steps, eta))
-        preempted = _stop_requested(stop_requested())
+        signalled = _stop_requested(stop_requested())
+        preempted = signalled or checkpointer.reached_preemption(step)  # Orbax's policy saves this step then
         checkpointer.maybe_save(step, state, force=step == t.steps or preempted)
         if preempted:
-            log(f"received SIGTERM: saved step {step}; rerun the same command to continue")
+            log(f"received {'SIGTERM' if signalled else 'a preemption notice'}: saved step {step}; "
+                "rerun the same command to continue")
             break
     return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer, preempted=preempted)
 

@@ -115,13 +115,14 @@ class Trainer:
         new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                "opt_state": opt_state}
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if self.config.train.nan_policy == "skip":  # keep the old weights, still advance the step
-            new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),
-                                                        {k: new[k] for k in ("params", "opt_state")},
+        if self.config.train.nan_policy == "skip":  # the batch is consumed (step advances), nothing applied:
+            new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),  # the optimizer's
+                                                        {k: new[k] for k in ("params", "opt_state")},  # counts stay
                                                         {k: state[k] for k in ("params", "opt_state")})}
-        applied = jnp.maximum(state["step"] - int(self.config.optim.grad_delay), 0)  # the delayed step's lr
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.lr_schedule(applied),
-                   "finite": finite}
+        # The lr this update used: the schedule at the optimizer's count (updates applied so far), which lags
+        # the step under grad_delay and after skipped steps, exactly as Adam's bias correction does.
+        metrics = {"loss": loss, "grad_norm": grad_norm,
+                   "lr": self.lr_schedule(optim.schedule_count(state["opt_state"])), "finite": finite}
         return new, metrics
 
     def _eval_step(self, params, batch):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,3 +108,133 @@ def test_resume_compares_keys_added_since_the_checkpoint_with_their_defaults():
     changed.optim.grad_delay = 1
     with pytest.raises(ConfigError, match="config.optim.grad_delay=1: the checkpoint in this workdir was trained with 0"):
         check_resume(changed, json.dumps(old))
+
+
+def test_resume_takes_the_fix_it_suggests(tmp_path):
+    """steps=3 with decay_steps=0 decays over 3 steps; the refusal of steps=6 says 'set optim.decay_steps=3',
+    and doing exactly that continues the run (decay_steps=3 and 0 are the same schedule over 3 steps)."""
+    workdir = str(tmp_path)
+    train_and_evaluate(_config(3, decay_steps=0), workdir, log=_quiet)
+    with pytest.raises(ConfigError, match=r"config.train.steps=6: .* trained with 3.*set optim.decay_steps=3 "):
+        train_and_evaluate(_config(6, decay_steps=0), workdir, log=_quiet)
+    with pytest.raises(ConfigError, match=r"config.optim.decay_steps=4: .*set optim.decay_steps=3 "):
+        train_and_evaluate(_config(6, decay_steps=4), workdir, log=_quiet)
+    result = train_and_evaluate(_config(6, decay_steps=3), workdir, log=_quiet)
+    assert [r["step"] for r in result.history] == [4, 5, 6]
+
+
+def _snapshot(root):
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files}
+
+
+def _launch(workdir):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
+                           f"--workdir={workdir}", "--cpu_devices=8"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("damage", ["no-config-json", "corrupt-checkpoint", "foreign-checkpoint", "bad-config-json"])
+def test_unusable_workdir_exits_2_with_one_line_and_is_left_as_it_was(tmp_path, damage):
+    from parallax.config import load_config_file
+    workdir = tmp_path / "run"
+    step = workdir / "checkpoints" / "3"
+    step.mkdir(parents=True)
+    (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    config_json = load_config_file(os.path.join(ROOT, "configs/tiny.py")).to_json_best_effort(indent=2)
+    expected = {
+        "no-config-json": r"has checkpoints \(latest step 3\) but no config.json, .* put that run's config.json back",
+        "corrupt-checkpoint": r"checkpoint \S+/checkpoints/3 cannot be restored \(.*\); it is corrupt or from "
+                              r"another run: move that step directory away",
+        "foreign-checkpoint": r"checkpoint \S+/checkpoints/3 cannot be restored",
+        "bad-config-json": r"config.json: not a parallax config \(JSONDecodeError",
+    }[damage]
+    if damage != "no-config-json":
+        (workdir / "config.json").write_text("{oops" if damage == "bad-config-json" else config_json)
+    if damage == "corrupt-checkpoint":
+        (step / "_CHECKPOINT_METADATA").write_text("xx")
+        (step / "default").mkdir()
+    elif damage == "foreign-checkpoint":
+        (step / "weights.bin").write_bytes(b"\0" * 64)
+    before = _snapshot(workdir)
+    proc = _launch(workdir)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert re.search(expected, lines[0]), lines[0]
+    assert _snapshot(workdir) == before
+
+
+def test_rerun_after_a_kill_drops_repeated_metrics_and_orbax_temp_dirs(tmp_path):
+    """What a SIGKILL after step 5 (last checkpoint: 3) leaves: metrics lines of steps 4-5, a torn line, an
+    unfinished Orbax save. The rerun resumes at 3; metrics.jsonl holds each step once; the temp dir is gone."""
+    workdir = tmp_path / "run"
+    train_and_evaluate(_config(3), str(workdir), log=_quiet)
+    with open(workdir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 1.0}\n{"step": 5, "loss": 1.0}\n{"step": 6, "lo')
+    tmp = workdir / "checkpoints" / "6.orbax-checkpoint-tmp-1234567"
+    tmp.mkdir()
+    (tmp / "partial").write_bytes(b"\0")
+    train_and_evaluate(_config(6), str(workdir), log=_quiet)
+    assert [step for step, _ in _losses(workdir)] == [1, 2, 3, 4, 5, 6]
+    from parallax.train import make_dataset
+    with open(workdir / "metrics.jsonl") as f:
+        last = json.loads(f.read().splitlines()[-1])
+    assert last["epoch"] == pytest.approx(make_dataset(_config(6)).epoch(6), abs=1e-6) and last["epoch"] > 0
+    assert not tmp.exists() and sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
+
+
+def test_orbax_preemption_notice_saves_and_stops(tmp_path, monkeypatch):
+    """Orbax's PreemptionCheckpointingPolicy sits beside the interval: when JAX's preemption service names
+    a step, that step is saved even off the interval (and with checkpoint_every=0), and the run stops."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from parallax.checkpoint import Checkpointer
+    monkeypatch.setattr(ocp.CheckpointManager, "reached_preemption", lambda self, step: step == 5)
+    state = {"w": jnp.ones(4)}
+    for every in (100, 0):
+        checkpointer = Checkpointer(tmp_path / f"every{every}", every, 2, async_save=False)
+        assert [checkpointer.maybe_save(s, state) for s in (4, 5)] == [False, True]
+        assert checkpointer.latest_step() == 5
+        checkpointer.close()
+    config = _config(6)
+    config.train.checkpoint_every = 0
+    lines = []
+    result = train_and_evaluate(config, str(tmp_path / "run"), log=lines.append)
+    assert result.preempted and [r["step"] for r in result.history][-1] == 5
+    assert "received a preemption notice: saved step 5" in lines[-1]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["5"]
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_logs_each_step_once(tmp_path):
+    """A real SIGKILL between checkpoints: the rerun resumes at the last checkpoint and metrics.jsonl ends up
+    with every step exactly once, with no Orbax temp directory left."""
+    workdir = str(tmp_path / "run")
+    args = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
+            f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8", "--config.train.steps=100000",
+            "--config.train.log_every=1", "--config.train.checkpoint_every=3", "--config.train.eval_every=0",
+            "--config.optim.decay_steps=1000"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = os.path.join(workdir, "metrics.jsonl")
+
+    def steps_logged():  # the kill may tear the last line
+        if not os.path.exists(metrics):
+            return []
+        with open(metrics) as f:
+            return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+    deadline = time.time() + 180
+    while time.time() < deadline and not (len(steps_logged()) >= 5 and steps_logged()[-1] % 3):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=60)
+    logged = steps_logged()[-1]
+    saved = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
+    assert logged >= max(saved, default=0)  # almost always >: lines past the last checkpoint to drop
+    args[6] = f"--config.train.steps={logged + 2}"
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert [step for step, _ in _losses(workdir)] == list(range(1, logged + 3))
+    assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if "orbax-checkpoint-tmp" in n]

@@ -70,3 +70,46 @@ def test_bad_input_exits_2_with_one_line(args, expected, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert expected in lines[0]
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+BAD_FILES = [
+    ("def get_config(:\n    pass\n", r"--config=\S+bad.py:1: SyntaxError: "),
+    ("from parallax.defaults import default_config\n\ndef get_config():\n    return 1 / 0\n",
+     r"--config=\S+bad.py:4: ZeroDivisionError: division by zero \(return 1 / 0\); fix the config file"),
+    ("from parallax.defaults import default_config\n\ndef get_config():\n    config = default_config('llama')\n"
+     "    config.train.stpes = 5\n    return config\n",
+     r"--config=\S+bad.py:5: unknown key 'stpes' \(config.train.stpes = 5\); close valid keys: steps"),
+    ("from parallax.defaults import default_config\n\ndef get_config():\n    config = default_config('llama')\n"
+     "    config.model.update(num_layer=4)\n    return config\n",
+     r"--config=\S+bad.py:5: unknown key 'num_layer' .*; close valid keys: num_layers"),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD_FILES, ids=["syntax", "raises", "typo", "typo-in-update"])
+def test_bad_config_file_is_one_line_naming_file_and_line(text, expected, tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_config_file(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_config_file_exits_2_from_the_launcher(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD_FILES[2][0])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch/train.py"), f"--config={path}",
+                           f"--workdir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "bad.py:5: unknown key 'stpes'" in lines[0] and "steps" in lines[0], proc.stderr
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_default_config_is_locked_but_user_model_keys_come_from_its_defaults():
+    from parallax.defaults import default_config
+    config = default_config("llama")
+    with pytest.raises(AttributeError, match="cannot be added since the config is locked"):
+        config.optim.learning_rate = 1.0
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    user = load_config_file(os.path.join(ROOT, "tests", "user_model_config.py"))
+    assert user.model.width == 16 and user.is_locked

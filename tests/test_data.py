@@ -1,4 +1,5 @@
 """Tests for parallax.data: determinism, host slicing, packing invariants, splits, sources, errors."""
+import os
 import re
 
 import jax
@@ -148,17 +149,46 @@ def test_stdlib_text_default_loads_within_max_bytes():
     assert ds.describe().startswith("text: ")
 
 
-def test_short_stream_is_padded_with_zero_weight(tmp_path):
+def test_short_eval_stream_is_padded_with_zero_weight(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "b.txt").write_text("world!")
+    (tmp_path / "long.txt").write_text("x" * 40)
     ds = data.make_dataset("text", str(tmp_path), seq_len=16, global_batch_size=2, seed=0,
                            vocab_size=256, eval_fraction=0.0)
-    batch = ds.batch(0)
+    ds = data.Dataset(ds.source, ds.seq_len, 2, 256, 0,
+                      {"train": ds.streams["train"], "eval": data._Stream(ds.streams["train"].tokens[:11],
+                                                                          np.array([0, 5]))})
+    batch = ds.batch(0, "eval")
     _check_packing(batch)
     np.testing.assert_array_equal(batch["segment_ids"][0], [1] * 5 + [2] * 6 + [0] * 5)
     np.testing.assert_array_equal(batch["positions"][0][:11], list(range(5)) + list(range(6)))
     assert batch["inputs"][0][:11].astype(np.uint8).tobytes() == b"helloworld!"
     assert batch["weights"][0].sum() == 4 + 5
+
+
+def test_train_stream_shorter_than_a_row_is_an_error(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "b.txt").write_text("world!")
+    with pytest.raises(data.DataError, match=r"has 11 training tokens, fewer than seq_len \+ 1 = 17; lower seq_len"):
+        data.make_dataset("text", str(tmp_path), seq_len=16, global_batch_size=2, seed=0, vocab_size=256,
+                          eval_fraction=0.0)
+    assert len(data.make_dataset("text", str(tmp_path), seq_len=10, global_batch_size=2, seed=0, vocab_size=256,
+                                 eval_fraction=0.0).streams["train"].tokens) == 11
+
+
+@pytest.mark.parametrize("content", [b"garbage, not numpy", "truncated", "objects"])
+def test_corrupt_npy_token_file_is_one_line_naming_the_file(tmp_path, content):
+    path = tmp_path / "corpus.npy"
+    if content == "truncated":
+        np.save(path, np.arange(1000, dtype=np.int32))
+        path.write_bytes(path.read_bytes()[:300])
+    elif content == "objects":
+        np.save(path, np.array([object()], dtype=object))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(data.DataError, match=r"token file '.*corpus.npy' is not a (readable )?.npy (array|file) .*np.save") as info:
+        data.make_dataset("tokens", str(path), seq_len=4, global_batch_size=2, seed=0, vocab_size=512, eos_id=0)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("name,dtype", [("corpus.uint16.bin", np.uint16), ("corpus.uint32.bin", np.uint32),
@@ -228,7 +258,7 @@ def test_indivisible_batch_and_missing_eval_raise_data_error(synthetic, tmp_path
         synthetic.batch(0, process_count=3)
     with pytest.raises(data.DataError, match=r"split='test' is unknown"):
         synthetic.batch(0, "test")
-    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "a.txt").write_text("abcde")
     ds = data.make_dataset("text", str(tmp_path), seq_len=4, global_batch_size=2, seed=0, vocab_size=256,
                            eval_fraction=0.0)
     with pytest.raises(data.DataError, match=r"'eval' split .* has no documents; raise eval_fraction"):
@@ -252,3 +282,42 @@ def test_host_rows_follow_the_batch_sharding():
     assert data.host_rows(by_data, (16, 8)) == (0, 16)  # one process holds every row
     replicated = NamedSharding(mesh, P(None, "seq"))
     assert data.host_rows(replicated, (16, 8)) == (0, 16)
+
+
+def test_token_index_is_cached_beside_the_file_and_rebuilt_when_it_changes(tmp_path, monkeypatch):
+    calls = []
+    scan = data._scan_tokens
+    monkeypatch.setattr(data, "_scan_tokens", lambda *a: calls.append(1) or scan(*a))
+    path, _ = _write_tokens(tmp_path, "c.uint16.bin", [np.arange(1, 30), np.arange(5, 9)], 0, np.uint16)
+
+    def load(eos_id=0):
+        ds = data.make_dataset("tokens", path, seq_len=4, global_batch_size=2, seed=0, vocab_size=64,
+                               eos_id=eos_id, eval_fraction=0.0)
+        return ds.streams["train"].starts.tolist()
+
+    first = load()
+    assert first == [0, 30] and len(calls) == 1 and os.path.exists(path + ".index.npz")
+    assert load() == first and len(calls) == 1, "the second start reads the index, it does not rescan"
+    assert load(eos_id=5) == [0, 5, 31] and len(calls) == 2, "another eos id is another index"
+    np.append(np.arange(1, 40), 0).astype(np.uint16).tofile(path)  # the file changed: size and mtime
+    assert load() == [0] and len(calls) == 3
+    with pytest.raises(data.DataError, match=r"holds id 39, outside vocab_size=32"):  # checked from the index
+        data.make_dataset("tokens", path, seq_len=4, global_batch_size=2, seed=0, vocab_size=32, eos_id=0)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("batch_size", [4, 3])
+def test_epoch_sampler_visits_every_window_once_per_epoch(tmp_path, batch_size):
+    n, seq_len = 8 * 40 + 1, 8  # 40 windows of 9 tokens starting every 8
+    path = tmp_path / "ramp.uint32.bin"
+    np.append(np.arange(1, n), 0).astype(np.uint32).tofile(path)  # token i+1 at offset i: inputs name offsets
+    kwargs = dict(seq_len=seq_len, global_batch_size=batch_size, seed=3, vocab_size=n + 1, eos_id=0,
+                  eval_fraction=0.0, sampler="epoch")
+    ds = data.make_dataset("tokens", str(path), **kwargs)
+    starts = np.concatenate([ds.batch(step)["inputs"][:, 0] - 1 for step in range((80 + batch_size - 1) // batch_size)])
+    first, second = starts[:40], starts[40:80]
+    assert sorted(first) == sorted(second) == list(range(0, 40 * seq_len, seq_len))
+    assert list(first) != list(second), "each epoch has its own order"
+    assert ds.epoch(40 // batch_size) == pytest.approx(40 // batch_size * batch_size / 40)
+    again = data.make_dataset("tokens", str(path), **kwargs)  # a restart: step 6 alone gives step 6's batch
+    np.testing.assert_array_equal(again.batch(6)["inputs"], ds.batch(6)["inputs"])

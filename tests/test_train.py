@@ -97,3 +97,32 @@ def test_sample_from_a_workdir_also_one_written_before_newer_config_keys(tmp_pat
         del saved[section][key]
     path.write_text(json.dumps(saved))
     assert sample_from_workdir(workdir, "ab", num_tokens=3) == fresh
+
+
+def test_nan_policy_skip_applies_nothing_and_logs_the_lr_applied():
+    """A skipped step consumes its batch (the step advances) but applies nothing: params and the whole
+    optimizer state, its counts included, stay, so the next update uses, and logs, the lr (and Adam's bias
+    correction) of the next update -- as if the bad batch had never been there."""
+    from parallax.train import make_dataset
+    config = tiny_config(data=8)
+    config.train.nan_policy = "skip"
+    config.optim.update(warmup_steps=5, grad_delay=0)  # every step has another lr
+    trainer = Trainer(config)
+    dataset = make_dataset(config)
+    b0, b1, b2 = (trainer.device_batch(dataset.batch(i)) for i in range(3))
+    bad = dict(b1, weights=b1["weights"] * np.float32("nan"))
+
+    def run(batches):
+        state, lrs = trainer.init_state(), []
+        for batch in batches:
+            state, metrics = trainer.train_step(state, batch)
+            lrs.append(float(metrics["lr"]))
+        return jax.device_get(state), lrs
+
+    skipped, skipped_lrs = run([b0, bad, b2])
+    clean, clean_lrs = run([b0, b2])
+    assert int(skipped["step"]) == 3 and int(clean["step"]) == 2
+    assert skipped_lrs == [clean_lrs[0], clean_lrs[1], clean_lrs[1]] and clean_lrs[0] != clean_lrs[1]
+    for a, b in zip(jax.tree.leaves((skipped["params"], skipped["opt_state"])),
+                    jax.tree.leaves((clean["params"], clean["opt_state"]))):
+        np.testing.assert_array_equal(a, b)
