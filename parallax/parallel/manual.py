@@ -52,8 +52,11 @@ from parallax.parallel import flash, sequence, tensor, vocab
 from parallax.sharding import constrain, is_logical_names, logical_to_spec, param_logical_names, spec_axes
 
 # Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
-# `expert`: each expert rank keeps its own experts (only weights named `experts` are split over it).
-MODEL_AXES = ("seq", "tensor", "expert")
+MODEL_AXES = ("seq", "tensor")
+# ... and a dim named `experts` keeps its split over `expert`: each expert rank computes with its own experts.
+# Another dim sharded over `expert` (e.g. rules embed -> (fsdp, expert): ZeRO over the expert ranks too) is
+# gathered like FSDP.
+EXPERT_AXES = {"experts": "expert"}
 # The name of gathered weights: `apply_blocks` never saves them for the backward (it gathers them again), or
 # every layer's full weights would stay live until the backward, undoing FSDP.
 GATHERED = "parallax_fsdp_gathered"
@@ -95,7 +98,8 @@ class Parallelism:
         gradient is still reduce-scattered in fp32 and cast back (`_gather_cast`)."""
         w_dtype = jnp.dtype(w.dtype)  # the gradient's dtype, however many dims are gathered
         for dim, entry in enumerate(self.spec(names) if self.mesh_shape else ()):
-            gather = tuple(a for a in spec_axes(entry) if a not in MODEL_AXES)
+            kept = (*MODEL_AXES, EXPERT_AXES.get(names[dim]))
+            gather = tuple(a for a in spec_axes(entry) if a not in kept)
             if gather:
                 w = checkpoint_name(_gather_cast(w, gather, dim, jnp.dtype(dtype or w.dtype), w_dtype), GATHERED)
         return w if dtype is None else w.astype(dtype)
