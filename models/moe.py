@@ -29,9 +29,15 @@ them into the train metrics aux_loss, balance_loss, z_loss, load_min / load_max 
 load), load_cv (coefficient of variation over experts, mean over layers) and dropped (the fraction of
 assignments over capacity).
 
-Expert parallelism, capacity and dropless dispatch: `parallax.parallel.expert`. Restrictions: no
-sequence parallelism (a routing group is a whole row); `moe.first_dense` must be 0 (the blocks are one
-homogeneous scanned stack; dense first layers would need every layer to carry both MLPs).
+Dense first layers (`moe.first_dense` > 0, DeepSeek-V3: 3): the blocks are one homogeneous scanned
+stack, and a per-layer dense/MoE flag would make every layer carry both MLPs' weights. So the dense layers
+are a second, small stack of Llama blocks (`dense_blocks`, MLP width `moe.dense_d_ff`) that `embed` runs
+after the token embedding: they are part of the embedding in the contract's terms, so on a pipeline they
+run on the first stage (their `layers` dim is split over `pipe` when stored: `first_dense` must divide by
+mesh.pipe). `config.model.num_layers` counts the MoE layers only.
+
+Expert parallelism, capacity and dropless dispatch: `parallax.parallel.expert`. Restriction: no
+sequence parallelism (a routing group is a whole row).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from flax import nnx
 
 from models import llama
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism
+from parallax.model import DENSE, Model, Parallelism, apply_blocks
 from parallax.parallel import expert as ep_lib
 
 MOE_DEFAULTS = dict(
@@ -62,7 +68,8 @@ MOE_DEFAULTS = dict(
     balance_weight=0.01,  # Switch load-balancing loss weight
     z_weight=0.001,  # router z-loss weight
     bias_rate=0.0,  # aux-loss-free balancing: bias step per optimizer step (0: off)
-    first_dense=0,  # leading dense layers: not supported (must be 0), see the module docstring
+    first_dense=0,  # dense Llama layers before the num_layers MoE layers (see the module docstring)
+    dense_d_ff=0,  # their MLP width (needed when first_dense > 0)
 )
 ROUTERS = ("softmax", "sigmoid")
 DISPATCH = ("capacity", "ragged")
@@ -83,6 +90,7 @@ class MoESettings:
     z_weight: float
     bias_rate: float
     first_dense: int
+    dense_d_ff: int
 
 
 def _settings(model_config) -> MoESettings:
@@ -206,13 +214,14 @@ class MoE(Model):
             raise ConfigError(f"config.model.moe.router={moe.router!r}: expected one of {', '.join(ROUTERS)}")
         if moe.dispatch not in DISPATCH:
             raise ConfigError(f"config.model.moe.dispatch={moe.dispatch!r}: expected one of {', '.join(DISPATCH)}")
-        for key in ("shared_experts", "capacity_factor", "balance_weight", "z_weight", "bias_rate"):
+        for key in ("shared_experts", "capacity_factor", "balance_weight", "z_weight", "bias_rate", "first_dense",
+                    "dense_d_ff"):
             if moe[key] < 0:
                 raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be >= 0")
-        if moe.first_dense:
-            raise ConfigError(f"config.model.moe.first_dense={moe.first_dense}: dense first layers are not "
-                              f"supported (the blocks are one homogeneous scanned stack); set it to 0")
         ep, tp = sizes["expert"], sizes["tensor"]
+        if moe.first_dense and (moe.dense_d_ff <= 0 or moe.dense_d_ff % tp):
+            raise ConfigError(f"config.model.moe.dense_d_ff={moe.dense_d_ff}: first_dense={moe.first_dense} dense "
+                              f"layers need a positive MLP width divisible by mesh.tensor={tp}")
         if moe.num_experts % ep:
             raise ConfigError(f"config.model.moe.num_experts={moe.num_experts}: not divisible by mesh.expert={ep}; "
                               f"use an expert size that divides it")
@@ -239,12 +248,24 @@ class MoE(Model):
         cfg = _llama_config(config)
         self.cfg = cfg
         self.embedding = llama._param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
-        self.blocks = MoEBlocks(cfg, _settings(config), rngs)
+        moe = _settings(config)
+        self.remat = config.remat
+        if moe.first_dense:
+            dense = dataclasses.replace(cfg, num_layers=moe.first_dense, d_ff=moe.dense_d_ff)
+            self.dense_blocks = llama.Blocks(dense, rngs)
+        self.blocks = MoEBlocks(cfg, moe, rngs)
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), logical=("norm",))
         self.head = llama._param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
-    embed = llama.Llama.embed
     logits = llama.Llama.logits
+
+    def embed(self, batch, par: Parallelism = DENSE):
+        """Token embedding, then the dense first layers if any: tokens [B, T] -> [B, T, D] (split as Llama)."""
+        x = llama.Llama.embed(self, batch, par)
+        if hasattr(self, "dense_blocks"):
+            graphdef, stacked = nnx.split(self.dense_blocks)
+            x = apply_blocks(graphdef, nnx.to_pure_dict(stacked), x, batch, self.remat, par)
+        return x
 
     @staticmethod
     def aux_metrics(model_config, aux, weight_total) -> dict:
