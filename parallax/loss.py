@@ -6,10 +6,12 @@ with its gradients (`sum_and_grads`: training). The caller divides by the weight
 values (`parallax.model`, e.g. MoE): training differentiates the loss plus their aux losses and returns
 the global aux sums for metrics; eval reports the model's loss alone.
 
-- dense: `tensor == seq == pipe == 1`. The model's plain code under `activation_sharding`; GSPMD
-  shards it over the data / FSDP axes from the parameters' and activations' logical names.
-- manual: `tensor > 1`, `seq > 1` or (a model declaring it) `expert > 1`, without a pipeline. The model runs per rank inside
-  `parallax.parallel.manual.shard_loss` and adds its collectives through `plan.parallelism`.
+- dense: `tensor == seq == pipe == 1` (and `expert == 1` for a model declaring it). The model's plain
+  code under `activation_sharding`; GSPMD shards it over the data / FSDP axes from the parameters' and
+  activations' logical names.
+- manual: `tensor > 1`, `seq > 1` or (a model declaring it) `expert > 1`, without a pipeline. The model
+  runs per rank inside `parallax.parallel.manual.shard_loss` and adds its collectives through
+  `plan.parallelism`.
 - pipelined: `pipe > 1`. The first stage gets the parameters outside `blocks` that `embed` reads, the
   last stage those that `loss` reads (found by tracing each once: a tied embedding is in both); the
   stacked blocks go to the executor in its [p, v, L/(p*v), ...] layout. Eval runs
