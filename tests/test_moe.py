@@ -202,6 +202,17 @@ def test_ragged_model_matches_dropless_capacity_model():
     assert_parity(got, ref, TOL)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(data=2), dict(tensor=2)], ids=str)
+def test_ragged_model_on_one_expert_rank_matches_single_device(mesh):
+    def ragged(**mesh):
+        c = moe_config(**mesh)
+        c.model.moe.dispatch = "ragged"
+        return c
+    ref = loss_grads_and_steps(ragged(), jax.devices()[:1], steps=1)
+    assert_parity(loss_grads_and_steps(ragged(**mesh), jax.devices()[:2], steps=1), ref, TOL)
+
+
 def test_ragged_dispatch_across_expert_ranks_on_cpu_exits_2(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/configs/moe_tiny.py",
