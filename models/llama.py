@@ -99,6 +99,13 @@ class Blocks(nnx.Module):
 
         Under `par` x is this rank's [B, T/(s*t), D]; the batch arrays are [B, T/s].
         """
+        x = self.attend(x, batch, par)
+        h = par.gather_seq(rms_norm(x, par.weight(self.mlp_norm), self.cfg.norm_eps))  # (B, T, D)
+        x = x + par.scatter_seq(self.mlp(h, par))
+        return constrain(x, ("batch", "length", "act_embed"))
+
+    def attend(self, x, batch, par: Parallelism = DENSE):
+        """The attention half of a layer with its residual: x [B, T, D] -> x [B, T, D] (split as `layer`)."""
         cfg, dt, w = self.cfg, self.cfg.compute_dtype, par.weight
         segment_ids, positions = batch["segment_ids"], batch["positions"]
         h = par.gather_seq(rms_norm(x, w(self.attn_norm), cfg.norm_eps))  # (B, T, D)
@@ -109,13 +116,15 @@ class Blocks(nnx.Module):
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None))
         a = par.attention(q, k, v, segment_ids, positions)  # (B, T, H, Dh)
         x = x + par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, w(self.wo, dt)))
-        x = constrain(x, ("batch", "length", "act_embed"))
-        h = par.gather_seq(rms_norm(x, w(self.mlp_norm), cfg.norm_eps))  # (B, T, D)
+        return constrain(x, ("batch", "length", "act_embed"))
+
+    def mlp(self, h, par: Parallelism = DENSE):
+        """SwiGLU on the normed, gathered stream h [B, T, D] -> [B, T, D] (partial sums over `tensor`)."""
+        dt, w = self.cfg.compute_dtype, par.weight
         gate = jnp.einsum("btd,df->btf", h, w(self.w_gate, dt))  # (B, T, F)
         up = jnp.einsum("btd,df->btf", h, w(self.w_up, dt))  # (B, T, F)
         act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        x = x + par.scatter_seq(jnp.einsum("btf,fd->btd", act, w(self.w_down, dt)))
-        return constrain(x, ("batch", "length", "act_embed"))
+        return jnp.einsum("btf,fd->btd", act, w(self.w_down, dt))
 
 
 class Llama(Model):

@@ -2,12 +2,16 @@
 in one shard_map), and pipelined (the schedule executor). Training and eval take the same path.
 
 `LossPath(plan, mesh)` gives the weighted loss *sum* of a batch (`sum`, forward only: eval) and the sum
-with its gradients (`sum_and_grads`: training). The caller divides by the weight total.
+with its gradients (`sum_and_grads`: training). The caller divides by the weight total. Layers with aux
+values (`parallax.model`, e.g. MoE): training differentiates the loss plus their aux losses and returns
+the global aux sums for metrics; eval reports the model's loss alone.
 
-- dense: `tensor == seq == pipe == 1`. The model's plain code under `activation_sharding`; GSPMD
-  shards it over the data / FSDP axes from the parameters' and activations' logical names.
-- manual: `tensor > 1` or `seq > 1` without a pipeline. The model runs per rank inside
-  `parallax.parallel.manual.shard_loss` and adds its collectives through `plan.parallelism`.
+- dense: `tensor == seq == pipe == 1` (and `expert == 1` for a model declaring it). The model's plain
+  code under `activation_sharding`; GSPMD shards it over the data / FSDP axes from the parameters' and
+  activations' logical names.
+- manual: `tensor > 1`, `seq > 1` or (a model declaring it) `expert > 1`, without a pipeline. The model
+  runs per rank inside `parallax.parallel.manual.shard_loss` and adds its collectives through
+  `plan.parallelism`.
 - pipelined: `pipe > 1`. The first stage gets the parameters outside `blocks` that `embed` reads, the
   last stage those that `loss` reads (found by tracing each once: a tied embedding is in both); the
   stacked blocks go to the executor in its [p, v, L/(p*v), ...] layout. Eval runs
@@ -41,16 +45,24 @@ class LossPath:
             self.kind = "dense"
 
     def sum(self, params, batch):
-        """Weighted loss sum over the global batch (forward only)."""
+        """Weighted loss sum over the global batch (forward only), without the layers' aux losses."""
         if self.kind == "pipelined":
             return executor.pipeline_loss(self.plan.schedule, **self._pipeline_args(params, batch))
-        return self._unpipelined_sum(params, batch)
+        return self._unpipelined_terms(params, batch)[0]
 
     def sum_and_grads(self, params, batch):
-        """(weighted loss sum, gradients) over the global batch; pipelined gradients are fp32."""
+        """(weighted loss sum, gradients, aux) over the global batch; pipelined gradients are fp32.
+
+        The sum and gradients include the layers' aux losses; `aux` is the global aux sums (stacked over
+        layers; {} for layers without aux values, and on the pipelined path, which drops them)."""
         if self.kind == "pipelined":
-            return self._pipeline_sum_and_grads(params, batch)
-        return jax.value_and_grad(self._unpipelined_sum)(params, batch)
+            return (*self._pipeline_sum_and_grads(params, batch), {})
+
+        def objective(p, b):
+            lm, aux = self._unpipelined_terms(p, b)
+            return lm + model_lib.aux_loss(aux), aux
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
+        return loss, grads, jax.lax.stop_gradient(aux)
 
     def split_microbatches(self, batch, m: int):
         """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local."""
@@ -63,14 +75,15 @@ class LossPath:
 
     # --- dense and manual -----------------------------------------------------------------------------
 
-    def _unpipelined_sum(self, params, batch):
+    def _unpipelined_terms(self, params, batch):
+        """(the model's loss sum, the layers' aux sums) of `model_lib.loss_terms`."""
         plan = self.plan
         if self.kind == "manual":
             def per_rank(p, b):
-                return model_lib.loss_sum(nnx.merge(plan.graphdef, p), b, plan.remat, plan.parallelism)
+                return model_lib.loss_terms(nnx.merge(plan.graphdef, p), b, plan.remat, plan.parallelism)
             return shard_loss(per_rank, plan.parallelism, self.mesh, plan.logical)(params, batch)
         with sharding.activation_sharding(self.mesh, plan.rules):
-            return model_lib.loss_sum(nnx.merge(plan.graphdef, params), batch, plan.remat, plan.parallelism)
+            return model_lib.loss_terms(nnx.merge(plan.graphdef, params), batch, plan.remat, plan.parallelism)
 
     # --- pipelined ------------------------------------------------------------------------------------
 

@@ -10,7 +10,11 @@ A model is a Flax NNX module that subclasses `Model` and has four parts:
 3. **A stack of identical blocks**: the attribute `blocks`, an `nnx.Module` whose parameters all have a
    leading `layers` dimension (stacked weights), and whose method `layer(x, batch, par) -> x` runs one
    block on a one-layer slice of them. parallax runs the stack with one `lax.scan` (`apply_blocks`) and
-   cuts it into pipeline stages.
+   cuts it into pipeline stages. A layer may instead return `(x, aux)`: `aux` a dict of arrays, this
+   rank's *sums* over its tokens (e.g. a router's per-expert load). parallax stacks them over layers
+   (leading `layers` dim), sums them over the ranks holding other tokens (`par.sum_aux`), adds the
+   entry `"loss"` (if any) to the loss sum, and hands the whole dict to the model's `aux_metrics` and
+   `after_step` hooks (below). The pipelined path runs `aux` layers but drops their aux values.
 4. **A head and loss part**: `logits(x, par)`, and `loss(x, batch, par)`, the weighted loss summed over
    this rank's tokens (default: cross-entropy of `logits` via `par.cross_entropy`, in sequence chunks via
    `par.chunked`, which assumes `logits` treats each token on its own).
@@ -20,8 +24,11 @@ documents) and `positions` (within each document).
 
 Class-level hooks: `config_defaults()` (the model's own `config.model` keys and defaults),
 `check_config(model_config, sizes, config)` (model-specific checks; raise `ConfigError`), `parallel_axes`
-(the explicit axes the model implements, of "tensor" and "seq") and `rules` (defaults for logical names
-the model adds to the rules table).
+(the explicit axes the model implements, of "tensor", "seq" and "expert") and `rules` (defaults for
+logical names the model adds to the rules table). For layers with aux values: `aux_metrics(model_config,
+aux, weight_total)` (scalars for the train metrics) and `after_step(model_config, params, aux)` (a pure
+update of parameters the optimizer does not train, e.g. a router's balancing bias, applied after each
+optimizer step; such a parameter must get a zero gradient, so AdamW leaves it as it is).
 
 **The parallel surface** is one object, `par` (a `Parallelism`). A model that declares no
 `parallel_axes` gets `DENSE` and can ignore it: parallax still runs it data-parallel, FSDP and pipelined,
@@ -34,7 +41,7 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
     par.attention(q, k, v, segment_ids, positions)            dense, Ulysses or ring attention
     par.cross_entropy(logits, batch)  (vocabulary-parallel) weighted cross-entropy sum
     par.chunked(fn, x, batch)         a per-token sum over sequence chunks, each recomputed in the backward
-    par.tensor, par.seq               the axis sizes
+    par.tensor, par.seq, par.expert   the axis sizes
 
 `sharding.constrain(x, names)` annotates activations for the compiler (a no-op inside the manual region).
 """
@@ -48,6 +55,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
@@ -57,6 +65,7 @@ from parallax.parallel.sequence import check_sequence_parallel
 from parallax.sharding import constrain
 
 __all__ = ["Model", "Parallelism", "DENSE", "constrain", "model_class", "apply_blocks", "forward", "loss_sum",
+           "loss_terms", "aux_loss",
            "GENERIC_KEYS", "EXPLICIT_AXES"]
 
 # `config.model` keys parallax itself reads; everything else in `config.model` belongs to the model.
@@ -71,6 +80,7 @@ GENERIC_KEYS = {
     "loss_chunk": 1024,  # sequence positions per cross-entropy chunk (0: all logits at once)
 }
 EXPLICIT_AXES = ("tensor", "seq")  # mesh axes that need the model's help (`parallel_axes`)
+# `expert` is explicit only for a model that declares it; for any other model it is one more batch axis.
 
 ENTRY_POINT_GROUP = "parallax.models"
 
@@ -92,6 +102,16 @@ class Model(nnx.Module):
     @staticmethod
     def check_config(model_config, sizes: dict[str, int], config) -> None:
         """Raises ConfigError (one line: key, value, fix) if the model cannot run with these mesh sizes."""
+
+    @staticmethod
+    def aux_metrics(model_config, aux: dict, weight_total) -> dict:
+        """Scalars for the train metrics from the global aux sums of one step (`aux` leaves [layers, ...])."""
+        return {}
+
+    @staticmethod
+    def after_step(model_config, params: dict, aux: dict) -> dict:
+        """The parameters after an optimizer step, given that step's global aux sums (default: as they are)."""
+        return params
 
     def embed(self, batch, par: Parallelism = DENSE):
         raise NotImplementedError(f"{type(self).__name__} must define embed(batch, par)")
@@ -198,27 +218,55 @@ def _all_but_gathered(prim, *_, **params) -> bool:
     return True
 
 
-def apply_blocks(blocks_graphdef, stacked, x, batch, remat: str = "none", par: Parallelism = DENSE):
+def _split_aux(out):
+    """A layer's output -> (x, aux dict); a layer without aux values returns x alone."""
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def apply_blocks_aux(blocks_graphdef, stacked, x, batch, remat: str = "none", par: Parallelism = DENSE):
     """Runs the blocks whose parameters are `stacked` (a pure dict, leading dim = layers) with one scan.
 
     `blocks_graphdef` is `nnx.split(model.blocks)[0]`. Runs the whole stack, or one pipeline chunk of it.
+    Returns (x, aux): aux the layers' aux dicts stacked over layers ({} for layers without them).
     """
     def body(h, layer_params):
-        return nnx.merge(blocks_graphdef, layer_params).layer(h, batch, par), None
+        return _split_aux(nnx.merge(blocks_graphdef, layer_params).layer(h, batch, par))
 
     body = jax.checkpoint(body, policy=_REMAT_POLICIES.get(remat, _all_but_gathered), prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, stacked)
-    return x
+    return jax.lax.scan(body, x, stacked)
+
+
+def apply_blocks(blocks_graphdef, stacked, x, batch, remat: str = "none", par: Parallelism = DENSE):
+    """`apply_blocks_aux` without the aux values (the pipeline stages)."""
+    return apply_blocks_aux(blocks_graphdef, stacked, x, batch, remat, par)[0]
 
 
 def forward(model: Model, batch, remat: str = "none", par: Parallelism = DENSE):
     """The residual stream after the last block: embed, then every block."""
+    return forward_aux(model, batch, remat, par)[0]
+
+
+def forward_aux(model: Model, batch, remat: str = "none", par: Parallelism = DENSE):
+    """(residual stream after the last block, the layers' aux values stacked over layers)."""
     graphdef, stacked = nnx.split(model.blocks)
     x = model.embed(batch, par)
-    return apply_blocks(graphdef, nnx.to_pure_dict(stacked), x, batch, remat, par)
+    return apply_blocks_aux(graphdef, nnx.to_pure_dict(stacked), x, batch, remat, par)
 
 
 def loss_sum(model: Model, batch, remat: str = "none", par: Parallelism = DENSE):
     """Weighted loss summed over the batch's tokens (the caller divides by the weight total). Under `par`
-    (inside `shard_loss`) summed over the ranks holding other tokens, so every rank has the global sum."""
-    return par.sum_tokens(model.loss(forward(model, batch, remat, par), batch, par))
+    (inside `shard_loss`) summed over the ranks holding other tokens, so every rank has the global sum.
+    Includes the layers' aux losses (`loss_terms`)."""
+    lm, aux = loss_terms(model, batch, remat, par)
+    return lm + aux_loss(aux)
+
+
+def loss_terms(model: Model, batch, remat: str = "none", par: Parallelism = DENSE):
+    """(the model's loss sum, the layers' aux sums), both global sums (see `loss_sum`)."""
+    x, aux = forward_aux(model, batch, remat, par)
+    return par.sum_tokens(model.loss(x, batch, par)), par.sum_aux(aux)
+
+
+def aux_loss(aux: dict):
+    """The layers' aux losses to add to the loss sum: the sum of the `"loss"` entries (0 without one)."""
+    return jnp.sum(aux["loss"]) if "loss" in aux else jnp.zeros((), jnp.float32)

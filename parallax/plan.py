@@ -27,9 +27,9 @@ from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, v
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("dense", "ulysses", "ring")
-# Logical names that explicit tensor / sequence parallelism shards over its own axis.
+# Logical names that explicit tensor / sequence / expert parallelism shards over its own axis.
 _EXPLICIT_RULES = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
-                   ("length", "seq"))
+                   ("length", "seq"), ("experts", "expert"))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,7 +45,7 @@ class Plan:
     graphdef: object  # nnx graph of the model
     abstract_params: dict  # pure dict of ShapeDtypeStructs
     logical: dict  # the same tree of logical-name tuples
-    parallelism: Parallelism  # what the model's parallel points get; a region only with tensor / seq / pipe > 1
+    parallelism: Parallelism  # what the model's parallel points get; a region with tensor / seq / expert / pipe > 1
     schedule: Schedule | None  # the pipeline schedule when sizes['pipe'] > 1
 
     @property
@@ -98,13 +98,16 @@ def make_plan(config, num_devices: int) -> Plan:
         raise ConfigError(f"config.model.name={config.model.name!r}: {e}") from None
     abstract_params = nnx.to_pure_dict(abstract_state)
     _check_params(config, sizes, rules, abstract_params, logical)
-    _check_explicit_rules(sizes, rules, logical)
+    _check_explicit_rules(sizes if "expert" in cls.parallel_axes else {**sizes, "expert": 1}, rules, logical)
     _check_muon_exclude(config, rules)
     kernels = dict(attention_block=int(config.model.attention_block), loss_chunk=int(config.model.loss_chunk))
     par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding
-    if sizes["tensor"] > 1 or sizes["seq"] > 1 or schedule is not None:
-        par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], attention_kind=config.model.attention,
-                          mesh_shape=tuple(sizes.items()), rules=tuple(rules.items()), **kernels)
+    # `expert` is explicit only for a model that declares it; for others it is one more batch axis.
+    expert = sizes["expert"] if "expert" in cls.parallel_axes else 1
+    if sizes["tensor"] > 1 or sizes["seq"] > 1 or expert > 1 or schedule is not None:
+        par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], expert=expert,
+                          attention_kind=config.model.attention, mesh_shape=tuple(sizes.items()),
+                          rules=tuple(rules.items()), **kernels)
     return Plan(config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls,
                 model_config=model_config, graphdef=graphdef, abstract_params=abstract_params, logical=logical,
                 parallelism=par, schedule=schedule)

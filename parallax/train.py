@@ -223,6 +223,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), "tokens_per_sec": t.global_batch_size * t.seq_len / dt,
                   "step_time_s": dt, "epoch": round(dataset.epoch(step), 6)}
+        record.update({k: float(v) for k, v in metrics.get("model", {}).items()})  # e.g. MoE router statistics
         if step == first_step + 1:
             record["includes_compile"] = True
         if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):
@@ -256,6 +257,10 @@ def _check_finite(step, metrics, nan_policy, log):
     log(f"step {step}: non-finite loss, update skipped (train.nan_policy=skip)")
 
 
+# Model metrics (`Model.aux_metrics`) short enough for the progress line; metrics.jsonl has them all.
+_PROGRESS_MODEL_METRICS = ("aux_loss", "load_cv", "dropped")
+
+
 def _progress_line(record, steps, eta) -> str:
     step, width = record["step"], 20
     done = int(width * step / max(steps, 1))
@@ -265,6 +270,9 @@ def _progress_line(record, steps, eta) -> str:
             f"eta {eta:.0f}s")
     if "eval_loss" in record:
         line += f" eval_loss {record['eval_loss']:.4f}"
+    for key in _PROGRESS_MODEL_METRICS:
+        if key in record:
+            line += f" {key} {record[key]:.3g}"
     if record.get("includes_compile"):
         line += " (first step: includes compilation)"
     return line

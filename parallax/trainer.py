@@ -91,29 +91,38 @@ class Trainer:
 
     def _loss_and_grads(self, params, batch):
         """Mean token loss over the global batch and its gradients, accumulated over microbatches in fp32."""
+        return self._loss_grads_aux(params, batch)[:2]
+
+    def _loss_grads_aux(self, params, batch):
+        """(mean loss, gradients, aux): `_loss_and_grads` and the layers' global aux sums (summed over
+        microbatches; {} for a model without aux values). The loss includes the aux losses."""
         total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
         m = int(self.config.train.microbatches)
         if m == 1:
-            loss, grads = self.loss.sum_and_grads(params, batch)
-            return loss / total, jax.tree.map(lambda g: g / total, grads)
+            loss, grads, aux = self.loss.sum_and_grads(params, batch)
+            return loss / total, jax.tree.map(lambda g: g / total, grads), aux
 
         def body(carry, mb):
-            loss_acc, grad_acc = carry
-            loss, grads = self.loss.sum_and_grads(params, mb)
+            loss_acc, grad_acc, aux_acc = carry
+            loss, grads, aux = self.loss.sum_and_grads(params, mb)
             grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total, grad_acc, grads)
-            return (loss_acc + loss / total, grad_acc), None
+            return (loss_acc + loss / total, grad_acc, jax.tree.map(jnp.add, aux_acc, aux)), None
 
+        mbs = self.loss.split_microbatches(batch, m)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                        self.loss.split_microbatches(batch, m))
-        return loss, grads
+        aux_shapes = jax.eval_shape(lambda: self.loss.sum_and_grads(params, jax.tree.map(lambda a: a[0], mbs))[2])
+        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
+        (loss, grads, aux), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros, aux_zeros), mbs)
+        return loss, grads, aux
 
     def _train_step(self, state, batch):
-        loss, grads = self._loss_and_grads(state["params"], batch)
+        loss, grads, aux = self._loss_grads_aux(state["params"], batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-               "opt_state": opt_state}
+        params = optax.apply_updates(state["params"], updates)
+        if aux:  # e.g. a router's balancing bias, updated outside the optimizer (`Model.after_step`)
+            params = self.plan.model_class.after_step(self.plan.model_config, params, aux)
+        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if self.config.train.nan_policy == "skip":  # the batch is consumed (step advances), nothing applied:
             new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),  # the optimizer's
@@ -123,6 +132,10 @@ class Trainer:
         # the step under grad_delay and after skipped steps, exactly as Adam's bias correction does.
         metrics = {"loss": loss, "grad_norm": grad_norm,
                    "lr": self.lr_schedule(optim.schedule_count(state["opt_state"])), "finite": finite}
+        if aux:
+            weight_total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+            model_metrics = self.plan.model_class.aux_metrics(self.plan.model_config, aux, weight_total)
+            metrics["model"] = {k: jnp.asarray(v, jnp.float32) for k, v in model_metrics.items()}
         return new, metrics
 
     def _eval_step(self, params, batch):

@@ -28,7 +28,12 @@ replicated over a manual axis (every weight over `data` and `seq`, norms over `t
 varying over it at the region's entry, so their gradient reduction (the transpose of the cast, a psum)
 runs once on the stacked weights at the boundary, not once per layer inside the scan.
 
-With tensor == seq == 1 the model runs its dense code (`DENSE`) under the compiler's sharding instead.
+Expert parallelism (a model that declares "expert", `parallax.parallel.expert`): weights named `experts`
+stay split over `expert` (each rank holds E/ep experts, never gathered), the batch is split over `expert`
+like a data axis, and the MoE layer moves tokens to their experts' ranks and back with two all-to-alls.
+
+With tensor == seq == expert == 1 the model runs its dense code (`DENSE`) under the compiler's sharding
+instead.
 """
 from __future__ import annotations
 
@@ -48,6 +53,10 @@ from parallax.sharding import constrain, is_logical_names, logical_to_spec, para
 
 # Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
 MODEL_AXES = ("seq", "tensor")
+# ... and a dim named `experts` keeps its split over `expert`: each expert rank computes with its own experts.
+# Another dim sharded over `expert` (e.g. rules embed -> (fsdp, expert): ZeRO over the expert ranks too) is
+# gathered like FSDP.
+EXPERT_AXES = {"experts": "expert"}
 # The name of gathered weights: `apply_blocks` never saves them for the backward (it gathers them again), or
 # every layer's full weights would stay live until the backward, undoing FSDP.
 GATHERED = "parallax_fsdp_gathered"
@@ -64,6 +73,7 @@ class Parallelism:
 
     tensor: int = 1
     seq: int = 1
+    expert: int = 1  # expert parallelism (a model declaring "expert"); else the axis is a batch axis only
     attention_kind: str = "dense"  # dense | ulysses | ring
     mesh_shape: tuple = ()
     rules: tuple = ()
@@ -72,7 +82,7 @@ class Parallelism:
 
     @property
     def manual(self) -> bool:
-        return self.tensor > 1 or self.seq > 1
+        return self.tensor > 1 or self.seq > 1 or self.expert > 1
 
     def spec(self, names) -> P:
         return logical_to_spec(names, dict(self.rules), types.SimpleNamespace(shape=dict(self.mesh_shape)))
@@ -88,7 +98,8 @@ class Parallelism:
         gradient is still reduce-scattered in fp32 and cast back (`_gather_cast`)."""
         w_dtype = jnp.dtype(w.dtype)  # the gradient's dtype, however many dims are gathered
         for dim, entry in enumerate(self.spec(names) if self.mesh_shape else ()):
-            gather = tuple(a for a in spec_axes(entry) if a not in MODEL_AXES)
+            kept = (*MODEL_AXES, EXPERT_AXES.get(names[dim]))
+            gather = tuple(a for a in spec_axes(entry) if a not in kept)
             if gather:
                 w = checkpoint_name(_gather_cast(w, gather, dim, jnp.dtype(dtype or w.dtype), w_dtype), GATHERED)
         return w if dtype is None else w.astype(dtype)
@@ -207,6 +218,15 @@ class Parallelism:
         axes = (spec_axes(batch[0]) if len(batch) else ()) + (("seq",) if self.seq > 1 else ())
         return jax.lax.psum(x, axes) if axes else x
 
+    def sum_aux(self, aux):
+        """Per-rank sums of per-token statistics (a layer's aux values) -> global sums on every rank: summed
+        over the ranks holding other tokens (`sum_tokens`), averaged over `tensor`, whose ranks computed
+        the same value from the same gathered tokens. Identity without a region."""
+        if not self.mesh_shape:
+            return aux
+        aux = jax.tree.map(self.sum_tokens, aux)
+        return jax.tree.map(lambda a: jax.lax.pmean(a, "tensor"), aux) if self.tensor > 1 else aux
+
     def model_axes_only(self) -> "Parallelism":
         """This description for weights that are whole over every axis but `seq` / `tensor`: the pipeline's
         first / last parts (the compiler gathers their FSDP shards once per step, outside the region), and
@@ -270,7 +290,8 @@ def _vary(x, spec: P, mesh):
 
 
 def shard_loss(loss_fn, par: Parallelism, mesh, param_logical):
-    """Wraps `loss_fn(params, batch) -> scalar` so it runs per rank in a shard_map manual over every axis.
+    """Wraps `loss_fn(params, batch) -> scalar` (or a pytree of them, each reduced over every axis) so it
+    runs per rank in a shard_map manual over every axis.
 
     `param_logical` is the params tree of logical names; the parameter in_specs are `par.spec` of them
     (heads / kv_heads / mlp / vocab -> tensor, embed -> fsdp, ...). Batch arrays [B, T] are split by the

@@ -1,0 +1,291 @@
+"""A Llama-style decoder whose MLP is a mixture of experts (Mixtral, DeepSeek-V3 style routing).
+
+Attention, norms and RoPE are Llama's (`models.llama`); each layer's MLP is E routed SwiGLU experts, of
+which every token uses k, plus optional always-on shared experts (one SwiGLU of width
+shared_experts * d_ff_expert, Llama's MLP). Settings live in `config.model.moe` (see `MOE_DEFAULTS`).
+
+Routing (router logits in fp32, [B, T, E]):
+- `router=softmax` (Mixtral): scores = softmax(logits); the top-k scores are the gates, renormalised to
+  sum to 1 when `norm_topk`.
+- `router=sigmoid` (DeepSeek-V3): scores = sigmoid(logits), top-k, gates renormalised over the chosen
+  (`norm_topk`) and scaled by `router_scale`.
+- Aux-loss-free balancing (`bias_rate` > 0, DeepSeek-V3): a per-expert bias is added to the scores for
+  *choosing* experts only; the gates come from the unbiased scores. After each optimizer step the bias
+  moves by `bias_rate * sign(mean load - load)` (`after_step`), from the step's global per-expert load.
+  Why a parameter: the trainer keeps a model's whole state in `params` (checkpointed, sharded, restored
+  with it), so the bias is saved with the weights for free. It is read through `stop_gradient`, so its
+  gradient is exactly 0 and AdamW leaves it exactly as it is (no decay: it is not a matrix); only the
+  model's own `after_step` hook changes it.
+
+Aux losses, added to the loss sum and so averaged over tokens like the cross-entropy:
+- load balance (Switch): `balance_weight * E * sum_e f_e * P_e` per sequence row (f_e the fraction of the
+  row's k*T assignments choosing e, P_e the mean router probability of e: softmax scores, or sigmoid scores
+  normalised per token), weighted by the row's weight total;
+- router z-loss (ST-MoE): `z_weight * logsumexp(logits)^2` per token.
+
+Per layer the layer returns (x, aux) with this rank's sums (`parallax.model`): `loss`, `balance`, `z`,
+`load` [E] (assignments per expert, before dropping), `dropped` and `assignments`; `aux_metrics` turns
+them into the train metrics aux_loss, balance_loss, z_loss, load_min / load_max (relative to a uniform
+load), load_cv (coefficient of variation over experts, mean over layers) and dropped (the fraction of
+assignments over capacity).
+
+Dense first layers (`moe.first_dense` > 0, DeepSeek-V3: 3): the blocks are one homogeneous scanned
+stack, and a per-layer dense/MoE flag would make every layer carry both MLPs' weights. So the dense layers
+are a second, small stack of Llama blocks (`dense_blocks`, MLP width `moe.dense_d_ff`) that `embed` runs
+after the token embedding: they are part of the embedding in the contract's terms, so on a pipeline they
+run on the first stage (their `layers` dim is split over `pipe` when stored: `first_dense` must divide by
+mesh.pipe). `config.model.num_layers` counts the MoE layers only.
+
+Expert parallelism, capacity and dropless dispatch: `parallax.parallel.expert`. Restriction: no
+sequence parallelism (a routing group is a whole row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from models import llama
+from parallax.config import ConfigError
+from parallax.model import DENSE, Model, Parallelism, apply_blocks
+from parallax.parallel import expert as ep_lib
+
+MOE_DEFAULTS = dict(
+    num_experts=8,
+    top_k=2,
+    d_ff_expert=64,  # hidden width of one expert
+    shared_experts=0,  # always-on experts: one SwiGLU of width shared_experts * d_ff_expert
+    router="softmax",  # softmax (Mixtral) | sigmoid (DeepSeek-V3)
+    router_scale=1.0,  # gates are multiplied by this (DeepSeek-V3: 2.5)
+    norm_topk=True,  # renormalise the k gates to sum to 1
+    dispatch="capacity",  # capacity (all-to-all, fixed slots) | ragged (dropless grouped matmul, 1 expert rank)
+    capacity_factor=2.0,  # slots per expert and row = ceil(factor * T * k / E); 0: T slots (drops nothing)
+    balance_weight=0.01,  # Switch load-balancing loss weight
+    z_weight=0.001,  # router z-loss weight
+    bias_rate=0.0,  # aux-loss-free balancing: bias step per optimizer step (0: off)
+    first_dense=0,  # dense Llama layers before the num_layers MoE layers (see the module docstring)
+    dense_d_ff=0,  # their MLP width (needed when first_dense > 0)
+)
+ROUTERS = ("softmax", "sigmoid")
+DISPATCH = ("capacity", "ragged")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESettings:
+    num_experts: int
+    top_k: int
+    d_ff_expert: int
+    shared_experts: int
+    router: str
+    router_scale: float
+    norm_topk: bool
+    dispatch: str
+    capacity_factor: float
+    balance_weight: float
+    z_weight: float
+    bias_rate: float
+    first_dense: int
+    dense_d_ff: int
+
+
+def _settings(model_config) -> MoESettings:
+    return MoESettings(**{f.name: model_config.moe[f.name] for f in dataclasses.fields(MoESettings)})
+
+
+def _llama_config(model_config) -> llama.LlamaConfig:
+    moe = model_config.moe
+    return llama.LlamaConfig.from_config({**dict(model_config), "d_ff": max(1, moe.shared_experts * moe.d_ff_expert)})
+
+
+class MoEBlocks(llama.Blocks):
+    """Llama's stacked attention (and, with shared experts, its MLP as the shared experts) plus the router
+    and the stacked routed experts [layers, experts, ...]."""
+
+    def __init__(self, cfg: llama.LlamaConfig, moe: MoESettings, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        L, D, E, F = cfg.num_layers, cfg.d_model, moe.num_experts, moe.d_ff_expert
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * L)
+        self.moe = moe
+        if not moe.shared_experts:  # Llama's dense MLP is the shared experts; none here
+            del self.w_gate, self.w_up, self.w_down
+        self.w_router = llama._param(rngs, (L, D, E), ("layers", "embed", "router"), std)
+        self.router_bias = nnx.Param(jnp.zeros((L, E)), logical=("layers", "router"))  # only after_step moves it
+        self.we_gate = llama._param(rngs, (L, E, D, F), ("layers", "experts", "embed", "mlp"), std)
+        self.we_up = llama._param(rngs, (L, E, D, F), ("layers", "experts", "embed", "mlp"), std)
+        self.we_down = llama._param(rngs, (L, E, F, D), ("layers", "experts", "mlp", "embed"), out_std)
+
+    def layer(self, x, batch, par: Parallelism = DENSE):
+        """One decoder layer: Llama attention, then the MoE MLP. x [B, T, D] (this rank's [B, T/t, D] under
+        par) -> (x, aux sums of this rank's tokens)."""
+        cfg, moe = self.cfg, self.moe
+        x = self.attend(x, batch, par)
+        h = par.gather_seq(llama.rms_norm(x, par.weight(self.mlp_norm), cfg.norm_eps))  # (B, T, D)
+        idx, gates, probs, logits = self.route(h, par)
+        y, keep, load = self.routed(h, idx, gates, par)
+        if moe.shared_experts:
+            y = y + self.mlp(h, par)
+        x = llama.constrain(x + par.scatter_seq(y), ("batch", "length", "act_embed"))
+        return x, self.aux(batch, logits, probs, keep, load)
+
+    def route(self, h, par):
+        """h [B, T, D] -> (expert indices [B, T, k], gates [B, T, k] fp32, probabilities for the balance
+        loss [B, T, E], router logits [B, T, E] fp32)."""
+        moe = self.moe
+        w = par.weight(self.w_router).astype(jnp.float32)
+        logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), w)
+        if moe.router == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+            probs = scores
+        else:
+            scores = jax.nn.sigmoid(logits)
+            probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        bias = jax.lax.stop_gradient(par.weight(self.router_bias))  # choosing only, never the gates
+        _, idx = jax.lax.top_k(scores + bias, moe.top_k)  # (B, T, k)
+        gates = jnp.take_along_axis(scores, idx, axis=-1)
+        if moe.norm_topk:
+            gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        return idx, gates * moe.router_scale, probs, logits
+
+    def routed(self, h, idx, gates, par):
+        """The routed experts' output [B, T, D] (partial sums over `tensor`), keep mask, load [B, E]."""
+        moe, dt, w = self.moe, self.cfg.compute_dtype, par.weight
+        wg, wu, wd = w(self.we_gate, dt), w(self.we_up, dt), w(self.we_down, dt)  # (E/ep, D, F/t), (E/ep, F/t, D)
+        h = h.astype(dt)
+        if moe.dispatch == "ragged":
+            def grouped(xs, sizes):  # (M, D) sorted by expert, sizes (E,)
+                act = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+                return jax.lax.ragged_dot(act, wd, sizes)
+            return ep_lib.moe_ragged(h, idx, gates, moe.num_experts, grouped)
+
+        def experts(xe):  # (E/ep, G, C, D)
+            act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, wg)) * jnp.einsum("egcd,edf->egcf", xe, wu)
+            return jnp.einsum("egcf,efd->egcd", act, wd)
+        cap = ep_lib.capacity(h.shape[1], moe.top_k, moe.num_experts, moe.capacity_factor)
+        return ep_lib.moe_capacity(h, idx, gates, moe.num_experts, cap, experts, par.expert)
+
+    def aux(self, batch, logits, probs, keep, load):
+        """This rank's aux sums (see the module docstring); the loss entries are weighted by token weights."""
+        moe = self.moe
+        weights = batch["weights"].astype(jnp.float32)  # (B, T)
+        t, k = logits.shape[1], moe.top_k
+        f = load.astype(jnp.float32) / (t * k)  # (B, E) fraction of each row's assignments
+        balance_row = moe.num_experts * jnp.sum(f * jnp.mean(probs, axis=1), axis=-1)  # (B,)
+        balance = jnp.sum(balance_row * jnp.sum(weights, axis=1))
+        z = jnp.sum(weights * jax.nn.logsumexp(logits, axis=-1) ** 2)
+        stop = jax.lax.stop_gradient
+        return dict(loss=moe.balance_weight * balance + moe.z_weight * z, balance=stop(balance), z=stop(z),
+                    load=jnp.sum(load, axis=0).astype(jnp.float32),
+                    dropped=jnp.sum(~keep).astype(jnp.float32),
+                    assignments=jnp.asarray(keep.size, jnp.float32))
+
+
+class MoE(Model):
+    """Decoder-only MoE LM: Llama's embedding, head and attention; `MoEBlocks` as the stack."""
+
+    parallel_axes = ("tensor", "expert")
+    rules = {"router": None}  # the router's expert dim: every rank scores every expert
+
+    @staticmethod
+    def config_defaults() -> dict:
+        defaults = llama.Llama.config_defaults()
+        del defaults["d_ff"]  # the experts' width is moe.d_ff_expert
+        return {**defaults, "moe": dict(MOE_DEFAULTS)}
+
+    @staticmethod
+    def check_config(m, sizes, config) -> None:
+        moe = m.moe
+        missing = set(MOE_DEFAULTS) - set(moe.keys())
+        extra = set(moe.keys()) - set(MOE_DEFAULTS)
+        if missing or extra:
+            key = sorted(missing or extra)[0]
+            raise ConfigError(f"config.model.moe.{key}: {'missing' if missing else 'not a key of model.moe'} "
+                              f"(its keys: {', '.join(sorted(MOE_DEFAULTS))}); start from default_config(model='moe')")
+        for key in ("num_experts", "top_k", "d_ff_expert"):
+            if int(moe[key]) <= 0:
+                raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be positive")
+        if moe.top_k > moe.num_experts:
+            raise ConfigError(f"config.model.moe.top_k={moe.top_k}: more than num_experts={moe.num_experts}")
+        if moe.router not in ROUTERS:
+            raise ConfigError(f"config.model.moe.router={moe.router!r}: expected one of {', '.join(ROUTERS)}")
+        if moe.dispatch not in DISPATCH:
+            raise ConfigError(f"config.model.moe.dispatch={moe.dispatch!r}: expected one of {', '.join(DISPATCH)}")
+        for key in ("shared_experts", "capacity_factor", "balance_weight", "z_weight", "bias_rate", "first_dense",
+                    "dense_d_ff"):
+            if moe[key] < 0:
+                raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be >= 0")
+        ep, tp = sizes["expert"], sizes["tensor"]
+        if moe.first_dense and (moe.dense_d_ff <= 0 or moe.dense_d_ff % tp):
+            raise ConfigError(f"config.model.moe.dense_d_ff={moe.dense_d_ff}: first_dense={moe.first_dense} dense "
+                              f"layers need a positive MLP width divisible by mesh.tensor={tp}")
+        if moe.num_experts % ep:
+            raise ConfigError(f"config.model.moe.num_experts={moe.num_experts}: not divisible by mesh.expert={ep}; "
+                              f"use an expert size that divides it")
+        if moe.d_ff_expert % tp:
+            raise ConfigError(f"config.model.moe.d_ff_expert={moe.d_ff_expert}: not divisible by mesh.tensor={tp}")
+        if moe.dispatch == "ragged" and ep > 1:
+            backend = jax.default_backend()
+            why = ("jax.lax.ragged_all_to_all is not implemented on XLA:CPU" if backend == "cpu" else
+                   "ragged dispatch between expert ranks (ragged_all_to_all) is not implemented in parallax yet")
+            raise ConfigError(f"config.model.moe.dispatch='ragged' with mesh.expert={ep} on {backend}: {why}; use "
+                              f"moe.dispatch='capacity' with moe.capacity_factor=0 (dropless: capacity = all tokens "
+                              f"of a row), or mesh.expert=1")
+        if sizes["pipe"] > 1:
+            if ep > 1:
+                raise ConfigError(f"config.mesh.expert={ep} with mesh.pipe={sizes['pipe']}: expert parallelism "
+                                  f"inside pipeline stages is not supported; set mesh.expert=1 or mesh.pipe=1")
+            if moe.balance_weight or moe.z_weight or moe.bias_rate:
+                raise ConfigError(f"config.model.moe (balance_weight={moe.balance_weight}, z_weight={moe.z_weight}, "
+                                  f"bias_rate={moe.bias_rate}) with mesh.pipe={sizes['pipe']}: the pipelined loss "
+                                  f"drops the layers' aux values; set all three to 0, or mesh.pipe=1")
+        llama.Llama.check_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": tp}), sizes, config)  # heads, dims
+
+    def __init__(self, config, rngs: nnx.Rngs):
+        cfg = _llama_config(config)
+        self.cfg = cfg
+        self.embedding = llama._param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+        moe = _settings(config)
+        self.remat = config.remat
+        if moe.first_dense:
+            dense = dataclasses.replace(cfg, num_layers=moe.first_dense, d_ff=moe.dense_d_ff)
+            self.dense_blocks = llama.Blocks(dense, rngs)
+        self.blocks = MoEBlocks(cfg, moe, rngs)
+        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), logical=("norm",))
+        self.head = llama._param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
+
+    logits = llama.Llama.logits
+
+    def embed(self, batch, par: Parallelism = DENSE):
+        """Token embedding, then the dense first layers if any: tokens [B, T] -> [B, T, D] (split as Llama)."""
+        x = llama.Llama.embed(self, batch, par)
+        if hasattr(self, "dense_blocks"):
+            graphdef, stacked = nnx.split(self.dense_blocks)
+            x = apply_blocks(graphdef, nnx.to_pure_dict(stacked), x, batch, self.remat, par)
+        return x
+
+    @staticmethod
+    def aux_metrics(model_config, aux, weight_total) -> dict:
+        load = aux["load"]  # (L, E) global assignments per expert
+        layers, experts = load.shape
+        rel = load / jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)  # 1 = uniform
+        return dict(aux_loss=jnp.sum(aux["loss"]) / weight_total,
+                    balance_loss=jnp.sum(aux["balance"]) / weight_total / layers,
+                    z_loss=jnp.sum(aux["z"]) / weight_total / layers,
+                    load_min=jnp.min(rel), load_max=jnp.max(rel), load_cv=jnp.mean(jnp.std(rel, axis=-1)),
+                    dropped=jnp.sum(aux["dropped"]) / jnp.maximum(jnp.sum(aux["assignments"]), 1.0))
+
+    @staticmethod
+    def after_step(model_config, params, aux) -> dict:
+        """Aux-loss-free balancing: bias += rate * sign(mean load - load), per layer, from the step's load."""
+        rate = float(model_config.moe.bias_rate)
+        if not rate:
+            return params
+        load = aux["load"]  # (L, E)
+        blocks = dict(params["blocks"])
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        blocks["router_bias"] = params["blocks"]["router_bias"] + step
+        return {**params, "blocks": blocks}
