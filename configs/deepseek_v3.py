@@ -25,8 +25,9 @@ from parallax.defaults import default_config
 def get_config():
     config = default_config(model="moe")
     config.mesh.update(data=1, fsdp=4, expert=32, tensor=4)
-    del config.sharding.rules["embed"]  # a str rule; re-added as a tuple (ConfigDict keeps a field's type)
-    config.sharding.rules["embed"] = ("fsdp", "expert")
+    with config.sharding.rules.unlocked():  # a str rule becomes a tuple: ConfigDict keeps a field's type
+        del config.sharding.rules["embed"]
+        config.sharding.rules["embed"] = ("fsdp", "expert")
     config.model.update(num_layers=58, d_model=7168, num_heads=128, num_kv_heads=128, head_dim=128,
                         vocab_size=129280, dtype="bfloat16", rope_theta=10000.0, norm_eps=1e-6, init_std=0.006,
                         remat="full", attention_block=512, loss_chunk=1024)
