@@ -10,8 +10,9 @@ Every choice is made from the parameters' logical axis names, never from paramet
   not part of a matrix, so a `[layers, d_in, d_out]` leaf is L independent matrices. Which dims form the matrix: its input side is the first feature dim, its output
   side the rest, except a projection back into the residual stream (last dim `embed`), whose output is the
   last dim: `wq [embed | heads, head_dim]`, `wo [heads, head_dim | embed]`, `w_down [mlp | embed]`.
-  Everything outside the stack (embeddings, positions, the head), every non-matrix (norms, biases) and any
-  stack matrix that names one of `optim.muon_exclude` goes to AdamW, with the same learning rate schedule.
+  Expert weights `[layers, experts, d_in, d_out]` are L x E matrices. Everything outside the stack
+  (embeddings, positions, the head), every non-matrix (norms, biases), MoE routers (logical name
+  `router`) and any stack matrix that names one of `optim.muon_exclude` goes to AdamW, with the same learning rate schedule.
   The update RMS is matched to AdamW's by default (`muon_scale=rms`: `muon_rms * sqrt(max(d_in, d_out))`,
   0.2 as in Moonlight), so one `lr` serves both; `muon_scale=width` is Keller Jordan's
   `sqrt(max(1, d_out / d_in))` for Muon's own, larger learning rates.
@@ -37,6 +38,9 @@ from parallax.config import ConfigError
 from parallax.sharding import is_logical_names
 
 _STACKING = ("layers", "experts")
+# Always AdamW: a MoE router [embed, router] is a matrix, but an orthogonalised update would give every
+# expert's score the same step size, where the router needs each expert's own (as in Moonlight / Kimi).
+_ADAMW_ONLY = ("router",)
 # `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
 _NOT_MATRIX_DIMS = ("head_dim",)
 NAMES = ("adamw", "muon")
@@ -82,8 +86,9 @@ def decay_mask(logical_names) -> dict:
 
 def muon_dims(names, exclude=("vocab",)) -> MuonDimensionNumbers | None:
     """The matrix a parameter with logical `names` is for Muon, as (reduction, output) axes, or None
-    (AdamW): not in the layer stack, not a matrix, or it names one of `exclude`. See the module docstring."""
-    if "layers" not in names or not _is_matrix(names) or any(n in exclude for n in names):
+    (AdamW): not in the layer stack, not a matrix, a router, or it names one of `exclude`. See the module
+    docstring."""
+    if "layers" not in names or not _is_matrix(names) or any(n in exclude + _ADAMW_ONLY for n in names):
         return None
     feature = tuple(i for i, n in enumerate(names) if n not in _STACKING)
     if names[feature[-1]] == "embed":

@@ -15,9 +15,9 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
-from helpers import assert_parity, loss_grads_and_steps, rel_err, tiny_config
+from helpers import ROOT, assert_parity, loss_grads_and_steps, rel_err, tiny_config
 from parallax import hlo, optim
-from parallax.config import ConfigError
+from parallax.config import ConfigError, load_config_file
 from parallax.plan import make_plan
 from parallax.sharding import is_logical_names
 from parallax.train import make_dataset, train_and_evaluate
@@ -35,6 +35,7 @@ def test_muon_dims_follow_the_logical_names():
     assert dims(("layers", "norm")) is None and dims(("layers", "heads", "head_dim")) is None  # vectors
     assert dims(("layers", "experts", "embed", "mlp")) == MuonDimensionNumbers((2,), (3,))  # experts: a batch dim
     assert dims(("layers", "experts", "mlp")) is None  # a stacked expert bias
+    assert dims(("layers", "embed", "router")) is None  # a MoE router: always AdamW
     assert dims(("layers", "embed", "mlp"), exclude=("mlp",)) is None  # optim.muon_exclude
 
 
@@ -172,6 +173,20 @@ def test_muon_on_sharded_meshes_matches_one_device(muon_references, mesh, delay)
     config = tiny_config(**mesh)
     config.optim.update(name="muon", grad_delay=delay[0], delay_correction=delay[1], lr=1e-2, warmup_steps=0)
     assert_parity(loss_grads_and_steps(config, jax.devices()), muon_references[delay], 1e-5)
+
+
+@pytest.mark.slow
+def test_muon_on_a_moe_model_with_expert_parallelism_matches_one_device():
+    """Expert weights [layers, experts, d_in, d_out] are L x E matrices spread over the mesh; the router
+    goes to AdamW; expert=2 x tensor=2 x fsdp=2 equals one device."""
+    def config(**mesh):
+        c = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
+        for axis in c.mesh:
+            c.mesh[axis] = mesh.get(axis, 1)
+        c.optim.update(name="muon", lr=1e-2, warmup_steps=0)
+        return c
+    reference = loss_grads_and_steps(config(data=1), jax.devices()[:1], steps=3)
+    assert_parity(loss_grads_and_steps(config(expert=2, tensor=2, fsdp=2), jax.devices(), steps=3), reference, 1e-5)
 
 
 @pytest.mark.slow
