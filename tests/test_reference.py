@@ -1,4 +1,4 @@
-"""Independent references: each model family written out in plain `jnp` here, sharing no code with
+"""Independent references: each model family (Llama, GPT-2, MoE) written out in plain `jnp` here, sharing no code with
 `models/` or `parallax/`, compared with the model's loss and gradients at fp32.
 
 The parity tests compare every layout with the one-device run of the *same* code, which proves the
@@ -114,12 +114,69 @@ def gpt2_reference(p, batch, m):
     return _mean_cross_entropy(ln(x, p["lnf_scale"], p["lnf_bias"]) @ p["wte"].T, batch)
 
 
-REFERENCES = {"llama": llama_reference, "gpt2": gpt2_reference}
+def _llama_attention_half(x, w, batch, m):
+    """The attention half of a Llama layer (RMSNorm, RoPE, GQA), as in `llama_reference`."""
+    H, K = m.num_heads, m.num_kv_heads
+    Dh = m.head_dim or m.d_model // H
+
+    def rotate(v):
+        half = Dh // 2
+        angle = batch["positions"][..., None, None] * (m.rope_theta ** (-np.arange(half) / half))
+        z = (v[..., :half] + 1j * v[..., half:]) * jnp.exp(1j * angle)
+        return jnp.concatenate([z.real, z.imag], -1).astype(jnp.float32)
+
+    h = x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + m.norm_eps) * w["attn_norm"]
+    q = rotate(jnp.einsum("btd,dnk->btnk", h, w["wq"]))
+    k = jnp.repeat(rotate(jnp.einsum("btd,dnk->btnk", h, w["wk"])), H // K, axis=2)
+    v = jnp.repeat(jnp.einsum("btd,dnk->btnk", h, w["wv"]), H // K, axis=2)
+    return x + _attend(q, k, v, batch["segment_ids"]) @ w["wo"].reshape(H * Dh, -1)
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def moe_reference(p, batch, m):
+    """MoE (softmax router, dropless): each token's top-k experts by score + selection bias, gates the
+    chosen softmax scores renormalised, the output the gate-weighted sum of those experts' SwiGLUs, looped
+    token by token over its choices; plus the Switch balance loss per row and the router z-loss, both
+    weighted by the tokens' weights, added to the cross-entropy sum before the mean."""
+    moe = m.moe
+    E, k = moe.num_experts, moe.top_k
+    w_tok = batch["weights"]
+    aux = 0.0
+    x = p["embedding"][batch["inputs"]]
+    for l in range(m.num_layers):
+        w = {name: value[l] for name, value in p["blocks"].items()}
+        x = _llama_attention_half(x, w, batch, m)
+        h = x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + m.norm_eps) * w["mlp_norm"]
+        logits = h @ w["w_router"]  # (B, T, E)
+        scores = jnp.exp(logits - logits.max(-1, keepdims=True))
+        scores = scores / scores.sum(-1, keepdims=True)
+        chosen = jnp.argsort(-jax.lax.stop_gradient(scores + w["router_bias"]), axis=-1)[..., :k]  # (B, T, k)
+        gates = jnp.take_along_axis(scores, chosen, -1)
+        gates = gates / gates.sum(-1, keepdims=True) * moe.router_scale
+        y = jnp.zeros_like(x)
+        for choice in range(k):
+            e = chosen[..., choice]  # (B, T)
+            gate_w, up_w, down_w = w["we_gate"][e], w["we_up"][e], w["we_down"][e]  # per token
+            g = jnp.einsum("btd,btdf->btf", h, gate_w)
+            out = jnp.einsum("btf,btfd->btd", g / (1 + jnp.exp(-g)) * jnp.einsum("btd,btdf->btf", h, up_w), down_w)
+            y = y + gates[..., choice, None] * out
+        x = x + y
+        t = x.shape[1]
+        f = jnp.stack([(chosen == e).sum((1, 2)) for e in range(E)], -1) / (t * k)  # (B, E)
+        balance = (E * (f * scores.mean(1)).sum(-1) * w_tok.sum(1)).sum()
+        lse = logits.max(-1) + jnp.log(jnp.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
+        aux = aux + moe.balance_weight * balance + moe.z_weight * (w_tok * lse ** 2).sum()
+    h = x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + m.norm_eps) * p["final_norm"]
+    return _mean_cross_entropy(h @ p["head"], batch) + aux / w_tok.sum()
+
+
+REFERENCES = {"llama": llama_reference, "gpt2": gpt2_reference, "moe": moe_reference}
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "moe"])
 def test_model_matches_an_independent_reference(model):
     config = tiny_config(model, data=1)
+    if model == "moe":  # dropless (capacity: every token of a row), with both aux losses on
+        config.model.moe.update(capacity_factor=0.0, balance_weight=0.1, z_weight=0.01)
     trainer = Trainer(config, devices=jax.devices()[:1])
     params = _randomise(jax.device_get(trainer.init_state()["params"]))
     batch = make_dataset(config).batch(0)
@@ -132,4 +189,7 @@ def test_model_matches_an_independent_reference(model):
     assert rel_err(loss, ref_loss) <= 1e-5
     assert err <= 1e-5, f"gradient {where} differs by {err:.2e}"
     for path, g in jax.tree_util.tree_flatten_with_path(ref_grads)[0]:
+        if "router_bias" in jax.tree_util.keystr(path):  # chooses experts only: never trained by gradient
+            assert float(jnp.abs(g).max()) == 0
+            continue
         assert float(jnp.abs(g).max()) > 0, f"{jax.tree_util.keystr(path)} gets no gradient"
