@@ -234,14 +234,6 @@ class MoE(Model):
             raise ConfigError(f"config.model.moe.dispatch='ragged' with mesh.expert={ep} on {backend}: {why}; use "
                               f"moe.dispatch='capacity' with moe.capacity_factor=0 (dropless: capacity = all tokens "
                               f"of a row), or mesh.expert=1")
-        if sizes["pipe"] > 1:
-            if ep > 1:
-                raise ConfigError(f"config.mesh.expert={ep} with mesh.pipe={sizes['pipe']}: expert parallelism "
-                                  f"inside pipeline stages is not supported; set mesh.expert=1 or mesh.pipe=1")
-            if moe.balance_weight or moe.z_weight or moe.bias_rate:
-                raise ConfigError(f"config.model.moe (balance_weight={moe.balance_weight}, z_weight={moe.z_weight}, "
-                                  f"bias_rate={moe.bias_rate}) with mesh.pipe={sizes['pipe']}: the pipelined loss "
-                                  f"drops the layers' aux values; set all three to 0, or mesh.pipe=1")
         llama.Llama.check_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": tp}), sizes, config)  # heads, dims
 
     def __init__(self, config, rngs: nnx.Rngs):

@@ -14,7 +14,8 @@ the global aux sums for metrics; eval reports the model's loss alone.
   `plan.parallelism`.
 - pipelined: `pipe > 1`. The first stage gets the parameters outside `blocks` that `embed` reads, the
   last stage those that `loss` reads (found by tracing each once: a tied embedding is in both); the
-  stacked blocks go to the executor in its [p, v, L/(p*v), ...] layout. Eval runs
+  stacked blocks go to the executor in its [p, v, L/(p*v), ...] layout. Layers with aux values add their
+  aux loss to the loss in each chunk's forward, and their stats come back per stage. Eval runs
   the executor's F ticks only (`pipeline_loss`), so it works on every mesh training works on.
 """
 
@@ -54,9 +55,9 @@ class LossPath:
         """(weighted loss sum, gradients, aux) over the global batch; pipelined gradients are fp32.
 
         The sum and gradients include the layers' aux losses; `aux` is the global aux sums (stacked over
-        layers; {} for layers without aux values, and on the pipelined path, which drops them)."""
+        layers; {} for layers without aux values)."""
         if self.kind == "pipelined":
-            return (*self._pipeline_sum_and_grads(params, batch), {})
+            return self._pipeline_sum_and_grads(params, batch)
 
         def objective(p, b):
             lm, aux = self._unpipelined_terms(p, b)
@@ -101,6 +102,18 @@ class LossPath:
                            _leaves_read(lambda p: model(p).loss(jnp.zeros(x.shape, x.dtype), mb, DENSE), rest))
         return self._parts
 
+    def _stage_aux(self) -> bool:
+        """Whether the blocks' layers return aux values (traced once, abstractly, on one layer)."""
+        if getattr(self, "_has_aux", None) is None:
+            plan, mb = self.plan, zero_row_batch(self.plan)
+            graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
+            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
+                               plan.abstract_params["blocks"])
+            x = jax.eval_shape(lambda p: nnx.merge(plan.graphdef, p).embed(mb, DENSE), plan.abstract_params)
+            aux = jax.eval_shape(lambda c, x: model_lib.apply_blocks_aux(graphdef, c, x, mb)[1], one, x)
+            self._has_aux = bool(aux)
+        return self._has_aux
+
     def _stage_parallelism(self):
         """What the stages run with: FSDP shards gathered per layer inside the stage (`par.weight`) when the
         model reads its weights through `par.weight` (it declares `parallel_axes`) and every axis its block
@@ -126,6 +139,7 @@ class LossPath:
         """
         plan, schedule = self.plan, self.plan.schedule
         par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
+        stage_aux = self._stage_aux()
         stage_par = self._stage_parallelism()
         rest = {k: v for k, v in params.items() if k != "blocks"}
         no_blocks = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), plan.abstract_params["blocks"])
@@ -142,7 +156,14 @@ class LossPath:
             return model(rest_params).embed(mb, par)
 
         def stage_fn(chunk, x, mb):
-            return model_lib.apply_blocks(blocks_graphdef, chunk, x, mb, plan.remat, stage_par)
+            x, aux = model_lib.apply_blocks_aux(blocks_graphdef, chunk, x, mb, plan.remat, stage_par)
+            if not stage_aux:
+                return x
+            # This rank's sums over its tokens; the executor sums them over the batch axes. Tensor ranks
+            # computed the same values from the same tokens: averaged, as `Parallelism.sum_aux` does.
+            if stage_par.tensor > 1:
+                aux = jax.tree.map(lambda a: jax.lax.pmean(a, "tensor"), aux)
+            return x, (model_lib.aux_loss(aux), aux)
 
         def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
             return model(rest_params).loss(x, mb, par)
@@ -158,15 +179,17 @@ class LossPath:
             inputs=self.split_microbatches(batch, schedule.num_microbatches), mesh=self.mesh,
             batch_axes=plan.batch_axes, param_specs={"first": _subtree(rest_specs, first_keys), "stages": stage_specs,
                                                      "last": _subtree(rest_specs, last_keys)},
-            input_spec=P("seq") if par.seq > 1 else P())
+            input_spec=P("seq") if par.seq > 1 else P(), stage_aux=stage_aux)
 
     def _pipeline_sum_and_grads(self, params, batch):
         schedule = self.plan.schedule
-        loss, grads = executor.pipeline_value_and_grad(
+        out = executor.pipeline_value_and_grad(
             schedule, remat=bool(self.plan.config.pipeline.remat), **self._pipeline_args(params, batch))
+        loss, grads = out[:2]
+        aux = executor.from_pipeline_layout(out[2], schedule) if len(out) > 2 else {}
         rest = {k: v for k, v in params.items() if k != "blocks"}
         rest_grads = _combine(rest, grads["first"], grads["last"])
-        return loss, {**rest_grads, "blocks": executor.from_pipeline_layout(grads["stages"], schedule)}
+        return loss, {**rest_grads, "blocks": executor.from_pipeline_layout(grads["stages"], schedule)}, aux
 
 
 def zero_row_batch(plan) -> dict:

@@ -14,7 +14,7 @@ A model is a Flax NNX module that subclasses `Model` and has four parts:
    rank's *sums* over its tokens (e.g. a router's per-expert load). parallax stacks them over layers
    (leading `layers` dim), sums them over the ranks holding other tokens (`par.sum_aux`), adds the
    entry `"loss"` (if any) to the loss sum, and hands the whole dict to the model's `aux_metrics` and
-   `after_step` hooks (below). The pipelined path runs `aux` layers but drops their aux values.
+   `after_step` hooks (below), on every path, the pipelined one included.
 4. **A head and loss part**: `logits(x, par)`, and `loss(x, batch, par)`, the weighted loss summed over
    this rank's tokens (default: cross-entropy of `logits` via `par.cross_entropy`, in sequence chunks via
    `par.chunked`, which assumes `logits` treats each token on its own).

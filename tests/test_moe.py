@@ -73,16 +73,50 @@ def test_zero3_over_expert_ranks_matches_single_device(reference):
     assert_parity(loss_grads_and_steps(config, jax.devices()), reference, TOL)
 
 
+def _pipelined_moe_config(schedule="1f1b", **mesh):
+    """4 MoE layers with the aux losses and aux-loss-free balancing on, so every aux path is exercised."""
+    c = moe_config(**mesh)
+    c.model.num_layers = 4
+    c.model.moe.bias_rate = 0.01
+    c.pipeline.schedule = schedule
+    return c
+
+
+def _first_step(config, devices):
+    """(loss and grads of batch 0, the first train step's loss and model metrics, its router bias, eval loss)."""
+    trainer, data = Trainer(config, devices=devices), make_dataset(config)
+    state = trainer.init_state()
+    batch = trainer.device_batch(data.batch(0))
+    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], batch))
+    state, metrics = trainer.train_step(state, batch)
+    loss_sum, weight_total = np.asarray(trainer.eval_step(state["params"], batch))
+    return (float(loss), grads, float(metrics["loss"]), jax.device_get(metrics["model"]),
+            np.asarray(state["params"]["blocks"]["router_bias"]), float(loss_sum / weight_total))
+
+
+@pytest.fixture(scope="module")
+def pipelined_reference():
+    return _first_step(_pipelined_moe_config(), jax.devices()[:1])
+
+
 @pytest.mark.slow
-def test_pipelined_moe_without_aux_matches_single_device():
-    """pipe > 1 runs MoE layers (expert=1) but drops their aux values, so only with zero aux weights."""
-    def config(**mesh):
-        c = moe_config(**mesh)
-        c.model.moe.update(balance_weight=0.0, z_weight=0.0)
-        c.model.num_layers = 4
-        return c
-    ref = loss_grads_and_steps(config(), jax.devices()[:1], steps=2)
-    assert_parity(loss_grads_and_steps(config(pipe=2, tensor=2, data=2), jax.devices(), steps=2), ref, TOL)
+@pytest.mark.parametrize("schedule,mesh", [
+    ("1f1b", dict(pipe=2, expert=2, tensor=2)),
+    ("zbv", dict(pipe=2, expert=2, fsdp=2)),  # V-shaped, B and W apart: the aux loss's gradient in both
+], ids=["1f1b-pipe=2,expert=2,tensor=2", "zbv-pipe=2,expert=2,fsdp=2"])
+def test_expert_parallel_inside_pipeline_stages_matches_single_device(pipelined_reference, schedule, mesh):
+    """EP inside the stages: the layers' all-to-alls run in the executor's switch branches. The aux losses
+    enter the loss in each chunk's forward, their stats come back per stage: the loss, every gradient, the
+    MoE metrics, the router bias after `after_step` and the eval loss match one device."""
+    ref_loss, ref_grads, ref_step, ref_metrics, ref_bias, ref_eval = pipelined_reference
+    loss, grads, step, metrics, bias, eval_loss = _first_step(_pipelined_moe_config(schedule, **mesh), jax.devices())
+    assert_parity((loss, grads, [step]), (ref_loss, ref_grads, [ref_step]), TOL)
+    assert set(metrics) == set(ref_metrics) and ref_metrics["aux_loss"] > 0
+    for key in ref_metrics:
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=TOL, atol=1e-7, err_msg=key)
+    assert np.abs(ref_bias).max() > 0
+    np.testing.assert_array_equal(bias, ref_bias)
+    np.testing.assert_allclose(eval_loss, ref_eval, rtol=TOL)
 
 
 def test_reference_gradients_are_nonzero_but_the_router_bias(reference):
@@ -290,12 +324,10 @@ def test_moe_metrics_reach_metrics_jsonl(tmp_path):
 
 @pytest.mark.parametrize("mesh,moe,match", [
     (dict(expert=8), dict(num_experts=6), "num_experts=6: not divisible by mesh.expert=8"),
-    (dict(expert=2, pipe=2, data=2), {}, "expert parallelism inside pipeline stages"),
-    (dict(pipe=2, data=4), {}, "the pipelined loss drops the layers' aux values"),
     (dict(data=8), dict(first_dense=1), "dense_d_ff=0: first_dense=1 dense layers need a positive MLP width"),
     (dict(data=8), dict(router="topk"), "router='topk': expected one of softmax, sigmoid"),
     (dict(tensor=8), dict(d_ff_expert=36), "d_ff_expert=36: not divisible by mesh.tensor=8"),
-], ids=["experts_vs_mesh", "pipe_expert", "pipe_aux", "first_dense", "router", "d_ff_vs_tensor"])
+], ids=["experts_vs_mesh", "first_dense", "router", "d_ff_vs_tensor"])
 def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):
     config = moe_config(**mesh)
     config.model.moe.update(moe)
@@ -311,11 +343,15 @@ def test_seq_parallel_is_rejected():
         make_plan(config, 8)
 
 
-def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path):
-    """expert=2 x tensor=2 x fsdp=2 in bf16, end to end: eval and checkpoint at step 2, a rerun resumes to 4."""
+@pytest.mark.parametrize("mesh", [
+    dict(data=1, expert=2, tensor=2, fsdp=2),
+    pytest.param(dict(data=1, pipe=2, expert=2, tensor=2), marks=pytest.mark.slow),
+], ids=["expert=2,tensor=2,fsdp=2", "pipe=2,expert=2,tensor=2"])
+def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path, mesh):
+    """EP in bf16, end to end: eval and checkpoint at step 2, a rerun resumes to 4."""
     from parallax.train import train_and_evaluate
     config = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
-    config.mesh.update(data=1, expert=2, tensor=2, fsdp=2)
+    config.mesh.update(mesh)
     config.model.dtype = "bfloat16"
     config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1)
     config.optim.decay_steps = 4

@@ -93,7 +93,8 @@ def _axes_of(spec) -> set:
 
 
 def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, params, inputs, mesh,
-                            remat=False, batch_axes=("data", "fsdp"), param_specs=None, input_spec=P()):
+                            remat=False, batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(),
+                            stage_aux=False):
     """Loss and gradients of a pipelined model, running `schedule` over the mesh axis `pipe`.
 
     The model is `sum_mb last_fn(last, stage_{S-1}(... stage_0(first_fn(first, mb)) ...), mb)`, where
@@ -110,15 +111,20 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
       `P(None, 'fsdp')`): the function all-gathers that weight where it uses it, the gather's transpose
       reduce-scatters its gradient over the batch shards, and the accumulator stays sharded.
     first_fn(first, mb_inputs) -> x `[rows, ...]`; stage_fn(chunk, x, mb_inputs) -> x (same shape and
-      dtype); last_fn(last, x, mb_inputs) -> scalar, normalised so the sum over microbatches, over the
+      dtype), or with `stage_aux`, `(x, (aux_loss, stats))` (stages with aux values, e.g. MoE layers): `aux_loss` a scalar
+      added to the loss (and differentiated; normalised like last_fn's value), `stats` a pytree of
+      per-rank sums that are not differentiated (e.g. a router's per-expert load), summed over the
+      microbatches, the batch shards and the other manual axes they vary over but `pipe`; last_fn(last, x, mb_inputs) -> scalar, normalised so the sum over microbatches, over the
       batch shards and over every other manual axis its value varies over (e.g. `seq` shards of the
       tokens) is the loss. A value already complete on every rank of an axis (e.g. a vocabulary-parallel
       cross-entropy, psummed over `tensor`) is invariant over it, and is not summed over it.
     remat: store only each chunk's input and recompute its forward in the backward, instead of storing
       the vjp residuals.
 
-    Returns (loss, grads): grads has the structure and layout of `params` (sharded as `param_specs`), in
-    float32 (accumulated in float32), and equals `jax.value_and_grad` of the unpipelined model.
+    Returns (loss, grads), or (loss, grads, stats) when stage_fn returns stats: grads has the structure
+    and layout of `params` (sharded as `param_specs`), in float32 (accumulated in float32), and equals
+    `jax.value_and_grad` of the unpipelined model; stats leaves are `[p, v, ...]` like the stage weights
+    (`from_pipeline_layout` stacks them per layer).
 
     The shard_map is manual over `pipe`, the batch axes and the axes the specs name. Every weight is cast
     to varying over all of them before any vjp, so no transpose inserts a collective inside the loop; each
@@ -134,27 +140,31 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
     prog = compile_schedule(schedule)
 
     def body(first_p, stage_p, last_p, inputs):
-        trace = _Trace((first_fn, stage_fn, last_fn), layout.manual, remat, first_p, stage_p, last_p, inputs)
+        trace = _Trace((first_fn, stage_fn, last_fn), layout.manual, remat, first_p, stage_p, last_p, inputs,
+                       stage_aux=stage_aux, batch=layout.batch)
         trace.probe()
-        loss, (gw, gf, gl) = trace.run(prog)
-        return trace.reduce(loss, {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl},
-                            layout.specs)
+        loss, (gw, gf, gl), stats = trace.run(prog)
+        loss, grads = trace.reduce(loss, {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl},
+                                   layout.specs)
+        return (loss, grads, trace.reduce_stats(stats)) if stage_aux else (loss, grads)
 
-    return layout.call(body, params, inputs, out_specs=(P(), layout.specs))
+    # Stats leaves are [1, v, ...] per rank, split over `pipe` (P("pipe") is a prefix spec for all of them).
+    return layout.call(body, params, inputs, out_specs=(P(), layout.specs, P("pipe")) if stage_aux else
+                       (P(), layout.specs))
 
 
 def pipeline_loss(schedule: Schedule, *, first_fn, stage_fn, last_fn, params, inputs, mesh,
-                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P()):
+                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False):
     """The loss of `pipeline_value_and_grad` alone (evaluation): the same shard_map and layout, running
     only the schedule's F actions (`compile_schedule(..., forward_only=True)`); nothing is stored for a
-    backward and no gradient is accumulated."""
+    backward and no gradient is accumulated. Stages' aux losses are not included (last_fn's loss alone)."""
     layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec)
     prog = compile_schedule(schedule, forward_only=True)
 
     def body(first_p, stage_p, last_p, inputs):
         trace = _Trace((first_fn, stage_fn, last_fn), layout.manual, False, first_p, stage_p, last_p, inputs,
-                       forward_only=True)
-        loss, _ = trace.run(prog)
+                       forward_only=True, stage_aux=stage_aux)
+        loss, _, _ = trace.run(prog)
         return trace.reduce(loss, {}, {})[0]
 
     return layout.call(body, params, inputs, out_specs=P())
@@ -167,6 +177,7 @@ class _Layout:
     specs: dict  # full in/out spec per params leaf, {'first', 'stages', 'last'}
     batch_spec: P
     manual: tuple
+    batch: tuple  # the batch axes of size > 1 (manual)
 
     @classmethod
     def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec) -> "_Layout":
@@ -201,7 +212,7 @@ class _Layout:
                              f"{mesh.axis_names} other than pipe, and input_spec none of the batch axes {batch}")
         manual = ("pipe",) + batch + tuple(a for a in mesh.axis_names
                                            if a in model_axes and a not in batch and mesh.shape[a] > 1)
-        return cls(mesh, specs, P(None, batch if batch else None, *input_spec), manual)
+        return cls(mesh, specs, P(None, batch if batch else None, *input_spec), manual, batch)
 
     def call(self, body, params, inputs, out_specs):
         in_specs = (self.specs["first"], self.specs["stages"], self.specs["last"], self.batch_spec)
@@ -247,11 +258,16 @@ class _Trace:
     collective inside the loop. With `forward_only` the branches run forwards and the loss only.
     """
 
-    def __init__(self, fns, manual, remat, first_p, stage_p, last_p, inputs, forward_only=False):
+    def __init__(self, fns, manual, remat, first_p, stage_p, last_p, inputs, forward_only=False, stage_aux=False,
+                 batch=()):
         self.first_fn, self.stage_fn, self.last_fn = fns
-        self.manual, self.remat, self.forward_only = manual, remat, forward_only
+        self.manual, self.remat, self.forward_only, self.stage_aux = manual, remat, forward_only, stage_aux
+        # Stats are this rank's sums over its rows: typed varying over `pipe` and the batch axes, so that the
+        # reduction sums them over the batch shards whatever their type (a per-rank constant included).
+        self.stats_axes = ("pipe", *batch)
         self.first_p, self.last_p = self.vary(first_p), self.vary(last_p)
         self.stage_p = self.vary(jax.tree.map(lambda a: a[0], stage_p))  # [v, ...]
+        self.stage_p_chunks = jax.tree.leaves(stage_p)[0].shape[1]
         # Inputs vary over `pipe` too (so that whatever the stages derive from them counts as per-microbatch,
         # see `probe`) but stay invariant over the model axes: they are the same on those ranks, which
         # keeps, e.g., a vocabulary-parallel loss invariant over `tensor`.
@@ -259,8 +275,13 @@ class _Trace:
         self.mb0, self.w0 = self.mb_inputs(0), self.chunk(0)
         self.x0 = self.first_fn(self.first_p, self.mb0)
         self.res_avals, self.roles, self.treedef = [], [], None
-        # The loss is summed over `pipe` and over the manual axes last_fn's value varies over.
-        loss_vma = _vma(self.last_fn(self.last_p, self.x0, self.mb0))  # a probe: only its type is used
+        # The loss is summed over `pipe` and over the manual axes last_fn's value (and the stages' aux
+        # losses, in training) vary over. Probes: only their types are used.
+        loss_vma = _vma(self.last_fn(self.last_p, self.x0, self.mb0))
+        self.term0, self.stats0 = None, ()
+        if stage_aux and not forward_only:
+            _, self.term0, self.stats0 = self.stage(self.w0, self.x0, self.mb0)
+            loss_vma = loss_vma | _vma(self.term0)
         self.loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
 
     def vary(self, tree):  # varying over every manual axis, so that no vjp transpose inserts a psum
@@ -272,8 +293,33 @@ class _Trace:
     def chunk(self, c):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), self.stage_p)
 
+    def stage(self, w, x, mb):
+        """stage_fn -> (y, aux loss term or None, stats or ())."""
+        out = self.stage_fn(w, x, mb)
+        if not self.stage_aux:
+            return out, None, ()
+        y, (term, stats) = out
+        return y, term.astype(jnp.float32), jax.tree.map(lambda a: _cast(jax.lax.stop_gradient(a),
+                                                                        self.stats_axes), stats)
+
     def vjp_chunk(self, w, x, mb):
-        return jax.vjp(lambda w, x: self.stage_fn(w, x, mb), w, x)
+        """-> (y, pullback, aux loss term, stats). With stage aux values the pullback takes (dy, d term)
+        (`seed`) and the term's gradient flows into dw and dx with the activations'."""
+        if not self.stage_aux:
+            y, pb = jax.vjp(lambda w, x: self.stage_fn(w, x, mb), w, x)
+            return y, pb, None, ()
+
+        def f(w, x):
+            y, term, stats = self.stage(w, x, mb)
+            return (y, term), stats
+        (y, term), pb, stats = jax.vjp(f, w, x, has_aux=True)
+        return y, pb, term, stats
+
+    def seed(self, dy):
+        """The pullback's cotangent for an output cotangent dy: (dy, 1) with stage aux losses, else dy."""
+        if not self.stage_aux:
+            return dy
+        return dy, _cast(jnp.ones((), jnp.float32), tuple(_vma(self.term0)))
 
     # --- the probe ------------------------------------------------------------------------------------
 
@@ -283,7 +329,7 @@ class _Trace:
         if self.remat:
             self.res_avals = [self.x0]
             return
-        _, probe = self.vjp_chunk(self.w0, self.x0, self.mb0)
+        _, probe, _, _ = self.vjp_chunk(self.w0, self.x0, self.mb0)
         probe_leaves, self.treedef = jax.tree.flatten(probe)
         w_leaves, mb_leaves = jax.tree.leaves(self.w0), jax.tree.leaves(self.mb0)
         roles = []  # per pullback leaf: ("w", i) | ("mb", i) | ("const", leaf) | ("res", i)
@@ -300,19 +346,20 @@ class _Trace:
         self.res_avals = [leaf for (r, _), leaf in zip(roles, probe_leaves) if r == "res"]
 
     def forward(self, c, x, mb):
-        """-> (y, residual leaves to store)."""
+        """-> (y, residual leaves to store, aux loss term or None, stats or ())."""
         if self.forward_only:
-            return self.stage_fn(self.chunk(c), x, mb), ()
+            return self.stage(self.chunk(c), x, mb)[0], (), None, ()
         if self.remat:
-            return self.stage_fn(self.chunk(c), x, mb), (x,)
+            y, term, stats = self.stage(self.chunk(c), x, mb)
+            return y, (x,), term, stats
         w = self.chunk(c)
-        y, pb = self.vjp_chunk(w, x, mb)
+        y, pb, term, stats = self.vjp_chunk(w, x, mb)
         leaves, refs = jax.tree.leaves(pb), {"w": jax.tree.leaves(w), "mb": jax.tree.leaves(mb)}
         if len(leaves) != len(self.roles) or any(r in refs and a is not refs[r][i]
                                                  for (r, i), a in zip(self.roles, leaves)):
             raise RuntimeError("stage_fn's pullback changed structure between traces; stage_fn must not "
                                "branch in Python on the values of its inputs")
-        return y, tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res")
+        return y, tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res"), term, stats
 
     def pullback(self, c, slot, mb, slots):
         if self.remat:
@@ -324,10 +371,10 @@ class _Trace:
 
     # --- the branches ---------------------------------------------------------------------------------
 
-    def out(self, msg=None, res=None, dw=None, dfirst=None, dlast=None, loss=None):
+    def out(self, msg=None, res=None, dw=None, dfirst=None, dlast=None, loss=None, stats=None):
         """What one tick produced: (message to send (an activation or an input cotangent, shaped like x),
-        residuals to store, (dW of the chunk, d first, d last) in fp32, loss), zeros where it produced
-        nothing. The carry is updated outside the switch, so that XLA updates the buffers in place instead
+        residuals to store, (dW of the chunk, d first, d last) in fp32, loss, the chunk's stats), zeros
+        where it produced nothing. The carry is updated outside the switch, so that XLA updates the buffers in place instead
         of copying them through the conditional."""
         f32 = jnp.float32
 
@@ -339,7 +386,8 @@ class _Trace:
         return (_zeros(self.x0) if msg is None else msg.astype(self.x0.dtype),
                 tuple(_zeros(a) for a in self.res_avals) if res is None else res, grads,
                 _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes) if loss is None else
-                _cast(loss.astype(f32), self.loss_axes))
+                _cast(loss.astype(f32), self.loss_axes),
+                jax.tree.map(_zeros, self.stats0) if stats is None else stats)
 
     def branches(self, prog: Program):
         """The switch branches `prog` uses, each `(slots, inbox, instruction) -> out(...)`."""
@@ -347,26 +395,28 @@ class _Trace:
             return self.out()
 
         def fwd(slots, inbox, ins):
-            y, res = self.forward(ins[_CHUNK], inbox[ins[_IN]], self.mb_inputs(ins[_MB]))
-            return self.out(msg=y, res=res)
+            y, res, term, stats = self.forward(ins[_CHUNK], inbox[ins[_IN]], self.mb_inputs(ins[_MB]))
+            return self.out(msg=y, res=res, loss=term, stats=stats or None)
 
         def fwd_first(slots, inbox, ins):
             mb = self.mb_inputs(ins[_MB])
-            y, res = self.forward(ins[_CHUNK], self.first_fn(self.first_p, mb), mb)
-            return self.out(msg=y, res=res)
+            y, res, term, stats = self.forward(ins[_CHUNK], self.first_fn(self.first_p, mb), mb)
+            return self.out(msg=y, res=res, loss=term, stats=stats or None)
 
         def fwd_last(slots, inbox, ins):
             mb = self.mb_inputs(ins[_MB])
-            y, res = self.forward(ins[_CHUNK], inbox[ins[_IN]], mb)
+            y, res, term, stats = self.forward(ins[_CHUNK], inbox[ins[_IN]], mb)
             if self.forward_only:
                 return self.out(loss=self.last_fn(self.last_p, y, mb))
             l, pb = jax.vjp(lambda lp, y: self.last_fn(lp, y, mb), self.last_p, y)
             dlast, dy = pb(jnp.ones_like(l))
-            return self.out(msg=dy, res=res, dlast=dlast, loss=l)
+            if term is not None:
+                l = _cast(l.astype(jnp.float32), self.loss_axes) + _cast(term, self.loss_axes)
+            return self.out(msg=dy, res=res, dlast=dlast, loss=l, stats=stats or None)
 
         def bwd(slots, inbox, ins, need_dx, need_dw, first):
             mb = self.mb_inputs(ins[_MB])
-            dw, dx = self.pullback(ins[_CHUNK], ins[_SLOT], mb, slots)(inbox[ins[_IN]])
+            dw, dx = self.pullback(ins[_CHUNK], ins[_SLOT], mb, slots)(self.seed(inbox[ins[_IN]]))
             dw = dw if need_dw else None
             if need_dx and first:
                 return self.out(dw=dw, dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), self.first_p)[1](dx)[0])
@@ -388,9 +438,10 @@ class _Trace:
         stores = jnp.asarray(np.isin(np.array(prog.branches), (_F, _F_FIRST, _F_LAST)))
 
         def step(carry, code_t):  # code_t: [p, fields]
-            slots, inbox, grads, loss = carry
+            slots, inbox, grads, loss, stats = carry
             ins = code_t[rank]
-            msg, res, dgrads, dloss = jax.lax.switch(ins[_BRANCH], branches, slots, inbox, ins)
+            msg, res, dgrads, dloss, dstats = jax.lax.switch(ins[_BRANCH], branches, slots, inbox, ins)
+            stats = _add_chunk(stats, ins[_CHUNK], dstats)
             slot = jnp.where(stores[ins[_BRANCH]], ins[_SLOT], -1)
             slots = tuple(_write(buf, slot, r) for buf, r in zip(slots, res))
             if grads:
@@ -402,20 +453,23 @@ class _Trace:
                 inbox = _write(inbox, ins[_FROM_UP], jax.lax.ppermute(msg, "pipe", prog.up_perm))
             if prog.down_perm:
                 inbox = _write(inbox, ins[_FROM_DOWN], jax.lax.ppermute(msg, "pipe", prog.down_perm))
-            return (slots, inbox, grads, loss + dloss), None
+            return (slots, inbox, grads, loss + dloss, stats), None
         return step
 
     def run(self, prog: Program):
-        """Runs every tick of `prog`; returns this rank's (loss, (dW, d first, d last)) before reduction."""
+        """Runs every tick of `prog`; returns this rank's (loss, (dW, d first, d last), stats per chunk
+        `[v, ...]`) before reduction."""
         f32 = jnp.float32
         slots = tuple(_zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a))
                       for a in self.res_avals)
         inbox = _zeros(jax.ShapeDtypeStruct((prog.inbox_size, *self.x0.shape), self.x0.dtype), axes=_vma(self.x0))
         grads = () if self.forward_only else \
             jax.tree.map(lambda a: _zeros(a, f32), (self.stage_p, self.first_p, self.last_p))
-        carry = (slots, inbox, grads, _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes))
-        (_, _, grads, loss), _ = jax.lax.scan(self.tick(prog), carry, jnp.asarray(prog.code))
-        return loss, grads
+        stats = jax.tree.map(lambda a: _zeros(jax.ShapeDtypeStruct((self.stage_p_chunks, *a.shape), a.dtype),
+                                              axes=_vma(a)), self.stats0)
+        carry = (slots, inbox, grads, _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes), stats)
+        (_, _, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry, jnp.asarray(prog.code))
+        return loss, grads, stats
 
     # --- the reduction --------------------------------------------------------------------------------
 
@@ -432,3 +486,11 @@ class _Trace:
             for i, r in zip(idx, jax.lax.psum([leaves[i] for i in idx], group)):
                 leaves[i] = r
         return jax.tree.unflatten(tree, leaves)
+
+    def reduce_stats(self, stats):
+        """Stats `[v, ...]` per rank -> `[1, v, ...]` summed over the batch axes and the other manual axes
+        but `pipe` they vary over (e.g. `seq`)."""
+        def one(a):
+            axes = tuple(x for x in self.manual if x != "pipe" and x in _vma(a))
+            return (jax.lax.psum(a, axes) if axes else a)[None]
+        return jax.tree.map(one, stats)
