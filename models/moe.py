@@ -65,6 +65,7 @@ MOE_DEFAULTS = dict(
     norm_topk=True,  # renormalise the k gates to sum to 1
     dispatch="capacity",  # capacity (all-to-all, fixed slots) | ragged (dropless grouped matmul, 1 expert rank)
     capacity_factor=2.0,  # slots per expert and row = ceil(factor * T * k / E); 0: T slots (drops nothing)
+    dispatch_chunks=1,  # capacity dispatch in this many row groups, so all-to-alls overlap expert matmuls
     balance_weight=0.01,  # Switch load-balancing loss weight
     z_weight=0.001,  # router z-loss weight
     bias_rate=0.0,  # aux-loss-free balancing: bias step per optimizer step (0: off)
@@ -86,6 +87,7 @@ class MoESettings:
     norm_topk: bool
     dispatch: str
     capacity_factor: float
+    dispatch_chunks: int
     balance_weight: float
     z_weight: float
     bias_rate: float
@@ -166,7 +168,7 @@ class MoEBlocks(llama.Blocks):
             act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, wg)) * jnp.einsum("egcd,edf->egcf", xe, wu)
             return jnp.einsum("egcf,efd->egcd", act, wd)
         cap = ep_lib.capacity(h.shape[1], moe.top_k, moe.num_experts, moe.capacity_factor)
-        return ep_lib.moe_capacity(h, idx, gates, moe.num_experts, cap, experts, par.expert)
+        return ep_lib.moe_capacity(h, idx, gates, moe.num_experts, cap, experts, par.expert, moe.dispatch_chunks)
 
     def aux(self, batch, logits, probs, keep, load):
         """This rank's aux sums (see the module docstring); the loss entries are weighted by token weights."""
@@ -205,7 +207,7 @@ class MoE(Model):
             key = sorted(missing or extra)[0]
             raise ConfigError(f"config.model.moe.{key}: {'missing' if missing else 'not a key of model.moe'} "
                               f"(its keys: {', '.join(sorted(MOE_DEFAULTS))}); start from default_config(model='moe')")
-        for key in ("num_experts", "top_k", "d_ff_expert"):
+        for key in ("num_experts", "top_k", "d_ff_expert", "dispatch_chunks"):
             if int(moe[key]) <= 0:
                 raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be positive")
         if moe.top_k > moe.num_experts:
@@ -227,6 +229,18 @@ class MoE(Model):
                               f"use an expert size that divides it")
         if moe.d_ff_expert % tp:
             raise ConfigError(f"config.model.moe.d_ff_expert={moe.d_ff_expert}: not divisible by mesh.tensor={tp}")
+        if moe.dispatch_chunks > 1:
+            if moe.dispatch != "capacity":
+                raise ConfigError(f"config.model.moe.dispatch_chunks={moe.dispatch_chunks}: chunks apply to "
+                                  f"dispatch='capacity' only (dispatch={moe.dispatch!r}); set dispatch_chunks=1")
+            batch_ranks = sizes["data"] * sizes["fsdp"] * ep
+            mbs = config.pipeline.microbatches if sizes["pipe"] > 1 else config.train.microbatches
+            rows = config.train.global_batch_size // max(1, mbs * batch_ranks)
+            if rows % moe.dispatch_chunks:
+                raise ConfigError(f"config.model.moe.dispatch_chunks={moe.dispatch_chunks}: does not divide the "
+                                  f"{rows} rows per rank and microbatch (global_batch_size="
+                                  f"{config.train.global_batch_size} / {mbs} microbatches / {batch_ranks} batch "
+                                  f"ranks); use a divisor of {rows}")
         if moe.dispatch == "ragged" and ep > 1:
             backend = jax.default_backend()
             why = ("jax.lax.ragged_all_to_all is not implemented on XLA:CPU" if backend == "cpu" else

@@ -53,6 +53,13 @@ def test_expert_parallel_matches_single_device(reference, mesh):
     assert_parity(loss_grads_and_steps(moe_config(**mesh), jax.devices()), reference, TOL)
 
 
+def test_chunked_dispatch_matches_single_device(reference):
+    """moe.dispatch_chunks=2: each rank's 2 rows go through dispatch / all-to-all / experts in two groups."""
+    config = moe_config(expert=4, fsdp=2)
+    config.model.moe.dispatch_chunks = 2
+    assert_parity(loss_grads_and_steps(config, jax.devices()), reference, TOL)
+
+
 def test_dense_first_layers_and_shared_experts_match_single_device():
     """moe.first_dense: a stack of dense Llama layers run by `embed`; with a shared expert and sigmoid routing."""
     def config(**mesh):
@@ -82,21 +89,27 @@ def _pipelined_moe_config(schedule="1f1b", **mesh):
     return c
 
 
-def _first_step(config, devices):
-    """(loss and grads of batch 0, the first train step's loss and model metrics, its router bias, eval loss)."""
+def _first_steps(config, devices, steps=5):
+    """(loss and grads of batch 0, the losses of `steps` train steps, the first step's model metrics, the
+    router bias after it, the eval loss after the last)."""
     trainer, data = Trainer(config, devices=devices), make_dataset(config)
     state = trainer.init_state()
     batch = trainer.device_batch(data.batch(0))
     loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], batch))
-    state, metrics = trainer.train_step(state, batch)
+    losses = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+        losses.append(float(metrics["loss"]))
+        if step == 0:
+            first_metrics = jax.device_get(metrics["model"])
+            bias = np.asarray(state["params"]["blocks"]["router_bias"])
     loss_sum, weight_total = np.asarray(trainer.eval_step(state["params"], batch))
-    return (float(loss), grads, float(metrics["loss"]), jax.device_get(metrics["model"]),
-            np.asarray(state["params"]["blocks"]["router_bias"]), float(loss_sum / weight_total))
+    return float(loss), grads, losses, first_metrics, bias, float(loss_sum / weight_total)
 
 
 @pytest.fixture(scope="module")
 def pipelined_reference():
-    return _first_step(_pipelined_moe_config(), jax.devices()[:1])
+    return _first_steps(_pipelined_moe_config(), jax.devices()[:1])
 
 
 @pytest.mark.slow
@@ -107,10 +120,11 @@ def pipelined_reference():
 def test_expert_parallel_inside_pipeline_stages_matches_single_device(pipelined_reference, schedule, mesh):
     """EP inside the stages: the layers' all-to-alls run in the executor's switch branches. The aux losses
     enter the loss in each chunk's forward, their stats come back per stage: the loss, every gradient, the
-    MoE metrics, the router bias after `after_step` and the eval loss match one device."""
-    ref_loss, ref_grads, ref_step, ref_metrics, ref_bias, ref_eval = pipelined_reference
-    loss, grads, step, metrics, bias, eval_loss = _first_step(_pipelined_moe_config(schedule, **mesh), jax.devices())
-    assert_parity((loss, grads, [step]), (ref_loss, ref_grads, [ref_step]), TOL)
+    MoE metrics, the router bias after `after_step`, 5 steps' losses and the eval loss match one device."""
+    ref_loss, ref_grads, ref_losses, ref_metrics, ref_bias, ref_eval = pipelined_reference
+    loss, grads, losses, metrics, bias, eval_loss = _first_steps(_pipelined_moe_config(schedule, **mesh), jax.devices())
+    assert_parity((loss, grads, losses), (ref_loss, ref_grads, ref_losses), TOL)
+    assert len(losses) == 5
     assert set(metrics) == set(ref_metrics) and ref_metrics["aux_loss"] > 0
     for key in ref_metrics:
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=TOL, atol=1e-7, err_msg=key)
@@ -260,11 +274,15 @@ def test_ragged_dispatch_across_expert_ranks_on_cpu_exits_2(tmp_path):
 
 # --- communication ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh", [dict(expert=2), dict(expert=2, fsdp=2), dict(expert=2, tensor=2)],
-                         ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
-def test_layer_has_two_all_to_alls_each_way_and_never_gathers_experts(mesh):
+@pytest.mark.parametrize("mesh,chunks", [(dict(expert=2), 1), (dict(expert=2, fsdp=2), 1),
+                                         (dict(expert=2, tensor=2), 1), (dict(expert=2), 2)],
+                         ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()) if isinstance(m, dict) else
+                         f"chunks={m}")
+def test_layer_has_two_all_to_alls_each_way_and_never_gathers_experts(mesh, chunks):
+    """Two all-to-alls in the forward layer loop and two in the backward, per dispatch chunk."""
     config = moe_config(capacity_factor=1.0, **mesh)
     config.model.moe.num_experts = 6  # a size no other dimension has, to spot expert weights
+    config.model.moe.dispatch_chunks = chunks
     config.model.loss_chunk = 0  # the layer loops only
     n = math.prod(mesh.values())
     trainer = Trainer(config, devices=jax.devices()[:n])
@@ -272,9 +290,9 @@ def test_layer_has_two_all_to_alls_each_way_and_never_gathers_experts(mesh):
     compiled = trainer.loss_and_grads.lower(jax.eval_shape(trainer.init_state)["params"], batch).compile()
     found = hlo.loop_body_collectives(compiled)
     print(mesh, found)
-    assert len(found) == 2 and all(body["all-to-all"] == 2 for body in found), found  # forward, backward
+    assert len(found) == 2 and all(body["all-to-all"] == 2 * chunks for body in found), found  # fwd, bwd
     if mesh.get("tensor", 1) == 1 and mesh.get("fsdp", 1) == 1:
-        assert all(sum(body.values()) == 2 for body in found), found  # nothing else in the layer
+        assert all(sum(body.values()) == 2 * chunks for body in found), found  # nothing else in the layer
     for op, shapes in hlo.collective_shapes(compiled):
         if op == "all-gather":
             # expert weights [E/ep, D, F] stay split over `expert` (the [D, E] router is gathered over fsdp)
@@ -327,7 +345,9 @@ def test_moe_metrics_reach_metrics_jsonl(tmp_path):
     (dict(data=8), dict(first_dense=1), "dense_d_ff=0: first_dense=1 dense layers need a positive MLP width"),
     (dict(data=8), dict(router="topk"), "router='topk': expected one of softmax, sigmoid"),
     (dict(tensor=8), dict(d_ff_expert=36), "d_ff_expert=36: not divisible by mesh.tensor=8"),
-], ids=["experts_vs_mesh", "first_dense", "router", "d_ff_vs_tensor"])
+    (dict(data=8), dict(dispatch_chunks=3), "dispatch_chunks=3: does not divide the 2 rows per rank"),
+    (dict(data=8), dict(dispatch_chunks=2, dispatch="ragged"), "chunks apply to dispatch='capacity' only"),
+], ids=["experts_vs_mesh", "first_dense", "router", "d_ff_vs_tensor", "chunks_vs_rows", "chunks_ragged"])
 def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):
     config = moe_config(**mesh)
     config.model.moe.update(moe)

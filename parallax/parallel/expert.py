@@ -23,6 +23,12 @@ Per layer and direction each rank sends and receives 2 * E * B * C * D * bytes (
 which (ep-1)/ep leaves the rank); the backward repeats both (the transposes of all-to-alls are
 all-to-alls). Expert weights never move: rank j holds experts [j E/ep, (j+1) E/ep).
 
+**Chunked dispatch** (`chunks` > 1, `moe.dispatch_chunks`): this rank's rows are cut into `chunks` groups
+that go through dispatch, all-to-all, experts, all-to-all and combine one after another, unrolled, so the
+compiler can run one chunk's all-to-all while the previous chunk's expert matmuls run (async collectives
+on GPU / TPU; COMET / FUSCO overlap). Capacity is per row, so the chunks compute exactly what one pass
+does (any backend); each all-to-all carries 1/chunks of the bytes, 2 * chunks of them each way.
+
 **Ragged path** (`moe_ragged`, dropless, one expert rank): assignments sorted by expert and run through
 `jax.lax.ragged_dot` (one grouped matmul per projection, groups = experts). Between expert ranks it would
 need `jax.lax.ragged_all_to_all`, which XLA:CPU does not implement; the model's config check rejects
@@ -79,20 +85,33 @@ def combine(y, slot, gates):
     return jnp.einsum("btkd,btk->btd", picked, gates.astype(y.dtype))
 
 
-def moe_capacity(h, expert_idx, gates, num_experts: int, cap: int, experts_fn, ep: int = 1):
+def moe_capacity(h, expert_idx, gates, num_experts: int, cap: int, experts_fn, ep: int = 1, chunks: int = 1):
     """The routed experts' output [B, T, D] for tokens h [B, T, D] by capacity dispatch.
 
     `experts_fn(x [E/ep, G, C, D]) -> [E/ep, G, C, D]` applies this rank's experts. With ep > 1 (inside the
     manual region) the slots travel to the experts' ranks and back with one all-to-all each way over
-    `expert`. Returns (output, keep [B, T, k], load [B, E])."""
+    `expert`, per chunk of `chunks` row groups (B must divide by it). Returns (output, keep [B, T, k],
+    load [B, E])."""
     slot, keep, load = slots(expert_idx, num_experts, cap)
-    x = dispatch(h, slot, num_experts, cap)  # (E, B, C, D)
-    if ep > 1:
-        x = jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=1, tiled=True)  # (E/ep, G, C, D)
-    y = experts_fn(x)
-    if ep > 1:
-        y = jax.lax.all_to_all(y, AXIS, split_axis=1, concat_axis=0, tiled=True)  # (E, B, C, D)
-    return combine(y, slot, gates), keep, load
+
+    def one(h, slot, gates):
+        x = dispatch(h, slot, num_experts, cap)  # (E, B, C, D)
+        if ep > 1:
+            x = jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=1, tiled=True)  # (E/ep, G, C, D)
+        y = experts_fn(x)
+        if ep > 1:
+            y = jax.lax.all_to_all(y, AXIS, split_axis=1, concat_axis=0, tiled=True)  # (E, B, C, D)
+        return combine(y, slot, gates)
+
+    b = h.shape[0]
+    if chunks <= 1:
+        return one(h, slot, gates), keep, load
+    if b % chunks:
+        raise ValueError(f"moe.dispatch_chunks={chunks} does not divide this rank's {b} rows per microbatch; "
+                         f"use a divisor of {b}")
+    n = b // chunks
+    parts = [one(h[i * n:(i + 1) * n], slot[i * n:(i + 1) * n], gates[i * n:(i + 1) * n]) for i in range(chunks)]
+    return jnp.concatenate(parts, axis=0), keep, load
 
 
 def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn):
