@@ -55,8 +55,8 @@ def _safetensors():
         import safetensors
         import safetensors.numpy
     except ImportError:
-        raise ConfigError("Hugging Face import / export needs the safetensors package; pip install -e '.[hf]' "
-                          "(or pip install safetensors)") from None
+        raise ConfigError("Hugging Face import / export needs the safetensors package (a parallax dependency); "
+                          "pip install safetensors") from None
     return safetensors
 
 

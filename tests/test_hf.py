@@ -55,7 +55,8 @@ def _make_llama(path):
 def _make_gpt2(path):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=64,
-                                     layer_norm_epsilon=1e-5, initializer_range=0.2)
+                                     layer_norm_epsilon=1e-5, initializer_range=0.2,
+                                     bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config).float().eval()
     _randomize(model, 2)
     model.save_pretrained(path)
@@ -176,3 +177,64 @@ def test_import_onto_fsdp_tensor_mesh_is_sharded_by_the_rules_and_reads_only_sli
         full = int(np.prod(ckpt.slice(tensor).get_shape()))
         if whole_only_if_replicated[tensor]:
             assert int(np.prod([s.stop - s.start for s in index])) < full, (tensor, index)
+
+
+def test_bad_checkpoints_are_config_errors_naming_the_value(checkpoints, tmp_path):
+    hf_dir, _ = checkpoints["llama"]
+    with pytest.raises(ConfigError, match="--hf_dir=.*no such directory"):
+        hf.Checkpoint(str(tmp_path / "missing"))
+    bad = tmp_path / "mistral"
+    shutil.copytree(hf_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(ConfigError, match="architecture 'MistralForCausalLM' is not supported"):
+        hf.Checkpoint(str(bad))
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    ckpt = hf.Checkpoint(str(bad))
+    with pytest.raises(ConfigError, match=r"mlp.gate_proj.weight' has shape \(64, 32\) but config.json implies "
+                                          r"\(96, 32\)"):
+        hf.load_params(ckpt, hf.import_config(ckpt, None, []).model, {})
+
+
+def _cli(script, *args):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.slow
+def test_cli_import_then_train_resumes_from_the_imported_weights(checkpoints, tmp_path):
+    from parallax.config import load_config_file
+    from parallax.train import make_dataset
+
+    hf_dir, _ = checkpoints["llama"]
+    work = str(tmp_path / "run")
+    r = _cli("hf_import.py", f"--hf_dir={hf_dir}", f"--workdir={work}", "--cpu_devices=8", "--config.mesh.data=1",
+             "--config.mesh.fsdp=4", "--config.mesh.tensor=2", "--config.train.steps=2", "--config.train.seq_len=32",
+             "--config.train.log_every=1", "--config.train.eval_every=0")
+    assert r.returncode == 0, r.stderr
+    r = _cli("train.py", f"--config={work}/config.json", f"--workdir={work}", "--cpu_devices=8")
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    losses = [json.loads(line)["loss"] for line in open(os.path.join(work, "metrics.jsonl"))]
+    assert len(losses) == 2
+    # The first step's loss is the imported model's loss on batch 0 (computed here on one device).
+    config = load_config_file(os.path.join(work, "config.json"))
+    for axis in config.mesh:
+        config.mesh[axis] = 1
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    params = hf.load_params(hf.Checkpoint(hf_dir), trainer.plan.model_config, trainer.param_shardings)
+    loss, _ = trainer.loss_and_grads(params, trainer.device_batch(make_dataset(config).batch(0)))
+    assert abs(losses[0] - float(loss)) <= 1e-5 * abs(float(loss)), (losses[0], float(loss))
+
+    out = str(tmp_path / "exported")
+    r = _cli("hf_export.py", f"--workdir={work}", f"--out={out}", "--cpu_devices=8")
+    assert r.returncode == 0, r.stderr
+    transformers.AutoModelForCausalLM.from_pretrained(out)  # the trained run loads in transformers
+
+    r = _cli("hf_import.py", f"--hf_dir={tmp_path / 'missing'}", f"--workdir={tmp_path / 'run2'}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"config error: --hf_dir={tmp_path / 'missing'}: no such directory; pass a directory holding config.json "
+        "and model.safetensors (e.g. one written by save_pretrained)"]
+    assert not os.path.exists(tmp_path / "run2")
