@@ -25,7 +25,7 @@ from parallax import hf  # noqa: E402
 from parallax.config import ConfigError  # noqa: E402
 from parallax.model import forward  # noqa: E402
 from parallax.trainer import Trainer  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from helpers import ROOT  # noqa: E402
 
 TOL = 1e-4  # max abs logits error vs transformers, fp32
 
@@ -143,6 +143,33 @@ def test_llama_export_writes_the_original_tensors_bitwise(checkpoints, tmp_path)
     assert sorted(original) == sorted(exported)
     for key in original:
         assert np.array_equal(original[key], exported[key]), key
+
+
+def test_bf16_export_and_import_and_unprefixed_gpt2_names(checkpoints, tmp_path):
+    """A bf16 export holds the bf16-rounded parameters and imports back as exactly those (upcast to fp32);
+    GPT-2 checkpoints named without the `transformer.` prefix (the original OpenAI upload) import the same."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _ = checkpoints["llama"]
+    trainer, params = _import(hf_dir)
+    hf.export_params(params, trainer.plan.model_config, str(tmp_path / "bf16"), dtype="bfloat16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    _, params16 = _import(str(tmp_path / "bf16"))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params16)):
+        rounded = np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32)
+        assert b.dtype == jnp.float32 and np.array_equal(rounded, np.asarray(b)), jax.tree_util.keystr(path)
+
+    gpt2_dir, _ = checkpoints["gpt2"]
+    bare = tmp_path / "bare"
+    shutil.copytree(gpt2_dir, bare)
+    tensors = load_file(str(bare / hf.SINGLE_FILE))
+    assert all(k.startswith("transformer.") for k in tensors), sorted(tensors)[:3]
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(bare / hf.SINGLE_FILE),
+              metadata={"format": "pt"})
+    _, ref = _import(gpt2_dir)
+    _, got = _import(str(bare))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)))
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
