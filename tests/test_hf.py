@@ -40,12 +40,12 @@ def _randomize(model, seed):
                         else 0.3 * torch.randn(p.shape, generator=gen))
 
 
-def _make_llama(path):
+def _make_llama(path, **changes):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    config = transformers.LlamaConfig(**{**dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=5000.0, max_position_embeddings=64,
-        tie_word_embeddings=False, initializer_range=0.2)
+        tie_word_embeddings=False, initializer_range=0.2), **changes})
     model = transformers.LlamaForCausalLM(config).float().eval()
     _randomize(model, 1)
     model.save_pretrained(path)
@@ -63,7 +63,9 @@ def _make_gpt2(path):
     return model
 
 
-MAKERS = {"llama": _make_llama, "gpt2": _make_gpt2}
+MAKERS = {"llama": _make_llama, "gpt2": _make_gpt2,
+          # a tied head (no lm_head.weight in the file), head_dim 16 != d_model / heads, 4 query heads per kv head
+          "llama_tied": lambda path: _make_llama(path, tie_word_embeddings=True, head_dim=16, num_key_value_heads=1)}
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +105,11 @@ def _our_logits(trainer, params, tokens):
     return np.asarray(model.logits(forward(model, batch, par=par), par))
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "llama_tied"])
 def test_imported_logits_match_transformers_fp32(checkpoints, name):
     hf_dir, model = checkpoints[name]
+    if name == "llama_tied":  # the head is read from the embedding
+        assert "lm_head.weight" not in hf.Checkpoint(hf_dir).files
     trainer, params = _import(hf_dir)
     tokens = _tokens()
     ours, ref = _our_logits(trainer, params, tokens), _hf_logits(model, tokens)
