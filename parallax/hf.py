@@ -1,6 +1,11 @@
 """Hugging Face interop: a checkpoint in the HF layout (config.json + safetensors, one file or shards with
-`model.safetensors.index.json`) to and from parallax parameters, for Llama (`LlamaForCausalLM`) and GPT-2
-(`GPT2LMHeadModel`).
+`model.safetensors.index.json`) to and from parallax parameters, for any model that declares the mapping.
+
+**The mapping lives with the model** (the model contract, `parallax.model.Model`): `hf_architectures` (the
+HF `architectures` it reads and writes), `hf_model_keys` (HF config.json -> its `config.model` keys; a
+ConfigError for what it cannot run), `hf_config` (the reverse) and `hf_sources`, one `Source` per parameter:
+ours[layer] = transpose(reshape(hf[name][block], view), perm). This module holds the mechanism only and
+reads that table in both directions; the shipped models (models/) have theirs.
 
 **Loading is sharded.** Each parameter is built with `jax.make_array_from_callback` on the sharding the
 rules give it; the callback reads only the slice of the safetensors data that one device holds
@@ -9,31 +14,15 @@ assembled from the per-layer HF tensors of that slice's layers, one layer at a t
 ever whole on one host. Devices holding the same slice (replication) share one read.
 
 **Export** gathers one HF tensor at a time (one layer of one parameter) and writes safetensors files of at
-most `max_shard_bytes` (an index json when there are several), plus an HF `config.json`.
+most `max_shard_bytes` (an index json when there are several), plus the model's HF `config.json`.
 
-**One table per family** (`_llama_sources`, `_gpt2_sources`) says where each of our parameters lives:
-ours[layer] = transpose(reshape(hf[name][block], view), perm). Both directions read that table only.
-
-Design choices, checked against `transformers` logits in `tests/test_hf.py`:
-- RoPE: our `rope` rotates the two *halves* of each head (x1 = dims [0, Dh/2), x2 = [Dh/2, Dh)), which is
-  HF's `rotate_half` convention with the same frequencies (theta^(-2i/Dh)), so q / k rows are copied as
-  they are, with no permutation (a permutation would be needed only for an interleaved-pair RoPE, as in
-  Meta's original checkpoints).
-- HF `nn.Linear` weights are [out, in]; ours are [in, ...]: q/k/v/o, gate/up/down are transposed and the
-  head dim split (q_proj [H*Dh, D] -> wq [D, H, Dh]). GPT-2's `Conv1D` weights are already [in, out].
-- GQA: `num_key_value_heads` -> `num_kv_heads`; k/v projections have K*Dh rows.
-- Llama's head is untied in parallax: a checkpoint with `tie_word_embeddings` imports the embedding as
-  the head too (they then train apart); export always writes `lm_head.weight` and `tie_word_embeddings:
-  false`. GPT-2's head is the token embedding in both.
-- GPT-2's key bias (inside `c_attn.bias`) is dropped on import: it adds the same q.b to every score of a
-  query, which the softmax cancels (see models/gpt2.py); export writes zeros there.
-- Parameters are float32 in parallax: bf16 / fp16 checkpoints are upcast on load; export writes float32
-  (or bfloat16 with `dtype`).
+Parameters are float32 in parallax: bf16 / fp16 checkpoints are upcast on load; export writes float32 (or
+bfloat16 with `dtype`).
 """
-
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -43,11 +32,10 @@ import ml_dtypes
 import numpy as np
 
 from parallax.config import ConfigError
+from parallax.model import ENTRY_POINT_GROUP, model_class
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-SUPPORTED = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
 def _safetensors():
@@ -65,7 +53,7 @@ class Source:
     """Where one parameter (one layer of it, for a stacked one) lives in the HF checkpoint.
 
     ours = transpose(reshape(hf[name][block], view), perm), where `block = (axis, start, stop)` cuts a part
-    of a fused HF tensor (GPT-2's `c_attn`) and `view` splits HF axes only (e.g. [H*Dh, D] -> (H, Dh, D)).
+    of a fused HF tensor (e.g. a fused q|k|v projection) and `view` splits HF axes only (e.g. [H*Dh, D] -> (H, Dh, D)).
     """
     name: str  # HF tensor name; '{i}' stands for the layer index of a stacked parameter
     hf_shape: tuple  # the whole HF tensor
@@ -133,122 +121,39 @@ class Source:
         return np.transpose(ours, np.argsort(perm)).reshape(self.block_shape())
 
 
-# --- the two families ----------------------------------------------------------------------------------
+# --- helpers for the models' `hf_model_keys` -------------------------------------------------------------
 
-def _llama_sources(m, tied: bool, prefix: str = "model.") -> dict:
-    """Our parameter path -> Source, for a Llama `config.model` section `m`."""
-    D, H, K, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size
-    Dh = m.head_dim or D // H
-    layer = prefix + "layers.{i}."
-    return {
-        "embedding": Source(prefix + "embed_tokens.weight", (V, D), (V, D)),
-        "blocks/attn_norm": Source(layer + "input_layernorm.weight", (D,), (D,)),
-        "blocks/wq": Source(layer + "self_attn.q_proj.weight", (H * Dh, D), (H, Dh, D), (2, 0, 1)),
-        "blocks/wk": Source(layer + "self_attn.k_proj.weight", (K * Dh, D), (K, Dh, D), (2, 0, 1)),
-        "blocks/wv": Source(layer + "self_attn.v_proj.weight", (K * Dh, D), (K, Dh, D), (2, 0, 1)),
-        "blocks/wo": Source(layer + "self_attn.o_proj.weight", (D, H * Dh), (D, H, Dh), (1, 2, 0)),
-        "blocks/mlp_norm": Source(layer + "post_attention_layernorm.weight", (D,), (D,)),
-        "blocks/w_gate": Source(layer + "mlp.gate_proj.weight", (F, D), (F, D), (1, 0)),
-        "blocks/w_up": Source(layer + "mlp.up_proj.weight", (F, D), (F, D), (1, 0)),
-        "blocks/w_down": Source(layer + "mlp.down_proj.weight", (D, F), (D, F), (1, 0)),
-        "final_norm": Source(prefix + "norm.weight", (D,), (D,)),
-        "head": Source(prefix + "embed_tokens.weight" if tied else "lm_head.weight", (V, D), (V, D), (1, 0)),
-    }
-
-
-def _gpt2_sources(m, tied: bool = True, prefix: str = "transformer.") -> dict:
-    """Our parameter path -> Source, for a GPT-2 `config.model` section `m` (Conv1D weights are [in, out])."""
-    D, H, F, V, P = m.d_model, m.num_heads, m.d_ff, m.vocab_size, m.max_positions
-    Dh = D // H
-    layer = prefix + "h.{i}."
-    c_attn, c_attn_b = layer + "attn.c_attn.weight", layer + "attn.c_attn.bias"
-    return {
-        "wte": Source(prefix + "wte.weight", (V, D), (V, D)),
-        "wpe": Source(prefix + "wpe.weight", (P, D), (P, D)),
-        "blocks/ln1_scale": Source(layer + "ln_1.weight", (D,), (D,)),
-        "blocks/ln1_bias": Source(layer + "ln_1.bias", (D,), (D,)),
-        "blocks/wq": Source(c_attn, (D, 3 * D), (D, H, Dh), block=(1, 0, D)),
-        "blocks/wk": Source(c_attn, (D, 3 * D), (D, H, Dh), block=(1, D, 2 * D)),
-        "blocks/wv": Source(c_attn, (D, 3 * D), (D, H, Dh), block=(1, 2 * D, 3 * D)),
-        "blocks/bq": Source(c_attn_b, (3 * D,), (H, Dh), block=(0, 0, D)),
-        "blocks/bv": Source(c_attn_b, (3 * D,), (H, Dh), block=(0, 2 * D, 3 * D)),
-        "blocks/wo": Source(layer + "attn.c_proj.weight", (D, D), (H, Dh, D)),
-        "blocks/bo": Source(layer + "attn.c_proj.bias", (D,), (D,)),
-        "blocks/ln2_scale": Source(layer + "ln_2.weight", (D,), (D,)),
-        "blocks/ln2_bias": Source(layer + "ln_2.bias", (D,), (D,)),
-        "blocks/w_fc": Source(layer + "mlp.c_fc.weight", (D, F), (D, F)),
-        "blocks/b_fc": Source(layer + "mlp.c_fc.bias", (F,), (F,)),
-        "blocks/w_proj": Source(layer + "mlp.c_proj.weight", (F, D), (F, D)),
-        "blocks/b_proj": Source(layer + "mlp.c_proj.bias", (D,), (D,)),
-        "lnf_scale": Source(prefix + "ln_f.weight", (D,), (D,)),
-        "lnf_bias": Source(prefix + "ln_f.bias", (D,), (D,)),
-    }
-
-
-def _need(hf: dict, key: str, where: str):
+def required(hf: dict, key: str, where: str):
+    """hf[key], or a ConfigError saying the config.json lacks it."""
     if key not in hf:
         raise ConfigError(f"{where}: config.json has no {key!r}; it is not a complete HF config")
     return hf[key]
 
 
-def _reject(where: str, key: str, value, fix: str):
+def unsupported(where: str, key: str, value, fix: str):
+    """Raises the ConfigError for an HF option the model does not implement."""
     raise ConfigError(f"{where}: {key}={value!r} is not supported by parallax's model; {fix}")
 
 
-def model_keys_from_hf(hf: dict, where: str) -> tuple[str, dict]:
-    """An HF config.json (dict) -> (our model name, our `config.model` keys). Unsupported architectures or
-    options (biases, other activations, RoPE scaling, ...) are ConfigErrors naming the key."""
-    archs = hf.get("architectures") or [_MODEL_TYPES.get(hf.get("model_type"), f"model_type={hf.get('model_type')}")]
-    arch = archs[0]
-    if arch not in SUPPORTED:
-        raise ConfigError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)} "
-                          "(convert the checkpoint to one of them, or define the model and its mapping)")
-    name = SUPPORTED[arch]
-    if name == "llama":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            _reject(where, "rope_type", rope_type, "only unscaled RoPE is implemented (rope_type 'default')")
-        for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-            if hf.get(key, ok) != ok:
-                _reject(where, key, hf[key], f"parallax's Llama has {key}={ok!r}")
-        D, H = _need(hf, "hidden_size", where), _need(hf, "num_attention_heads", where)
-        head_dim = hf.get("head_dim") or D // H
-        return name, dict(
-            num_layers=_need(hf, "num_hidden_layers", where), vocab_size=_need(hf, "vocab_size", where),
-            d_model=D, num_heads=H, num_kv_heads=hf.get("num_key_value_heads") or H,
-            d_ff=_need(hf, "intermediate_size", where), head_dim=0 if head_dim * H == D else head_dim,
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
-    for key, ok in (("activation_function", "gelu_new"), ("scale_attn_weights", True),
-                    ("scale_attn_by_inverse_layer_idx", False), ("tie_word_embeddings", True)):
-        if hf.get(key, ok) != ok and not (key == "activation_function" and hf[key] == "gelu_pytorch_tanh"):
-            _reject(where, key, hf[key], f"parallax's GPT-2 has {key}={ok!r}")
-    D = _need(hf, "n_embd", where)
-    return name, dict(
-        num_layers=_need(hf, "n_layer", where), vocab_size=_need(hf, "vocab_size", where), d_model=D,
-        num_heads=_need(hf, "n_head", where), d_ff=hf.get("n_inner") or 4 * D,
-        max_positions=_need(hf, "n_positions", where), norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+def model_for(hf: dict, where: str) -> tuple[str, type]:
+    """(registered model name, class) whose `hf_architectures` holds the config's architecture."""
+    arch = (hf.get("architectures") or [None])[0]
+    found = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        cls = model_class(ep.name)
+        found.update({a: (ep.name, cls) for a in cls.hf_architectures})
+    if arch not in found:
+        raise ConfigError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(found)} "
+                          "(convert the checkpoint to one of them, or give a model hf_architectures and hf_sources)")
+    return found[arch]
 
 
-def hf_config_from_model(m, dtype: str = "float32") -> dict:
-    """Our `config.model` section -> an HF config.json dict (the inverse of `model_keys_from_hf`)."""
-    if m.name == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
-            "hidden_size": m.d_model, "intermediate_size": m.d_ff, "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads,
-            "head_dim": m.head_dim or m.d_model // m.num_heads, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "rope_theta": m.rope_theta,
-            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "dtype": dtype}
-    if m.name == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
-            "n_embd": m.d_model, "n_head": m.num_heads, "n_layer": m.num_layers, "n_inner": m.d_ff,
-            "n_positions": m.max_positions, "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new",
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": True, "dtype": dtype}
-    raise ConfigError(f"config.model.name={m.name!r}: Hugging Face export supports {', '.join(_MODEL_TYPES)}")
+def _model_with_mapping(model_config) -> type:
+    cls = model_class(model_config.name)
+    if not cls.hf_architectures:
+        raise ConfigError(f"config.model.name={model_config.name!r}: this model has no Hugging Face mapping (its "
+                          "class declares no hf_architectures / hf_sources)")
+    return cls
 
 
 # --- reading -------------------------------------------------------------------------------------------
@@ -280,7 +185,8 @@ class Checkpoint:
             raise ConfigError(f"{where}: neither {SINGLE_FILE} nor {INDEX_FILE} there; save the model with "
                               "save_pretrained(..., safe_serialization=True) (PyTorch .bin files are not read)")
         self._open = {}
-        self.name, self.model_keys = model_keys_from_hf(self.config, f"{where}/config.json")
+        self.name, self.cls = model_for(self.config, f"{where}/config.json")
+        self.model_keys = self.cls.hf_model_keys(self.config, f"{where}/config.json")
 
     def _file(self, tensor: str):
         if tensor not in self.files:
@@ -295,12 +201,8 @@ class Checkpoint:
         return self._file(tensor).get_slice(tensor)
 
     def sources(self, model_config) -> dict:
-        """The Source table for this checkpoint (prefixes and tied heads as its tensor names say)."""
-        if self.name == "llama":
-            tied = "lm_head.weight" not in self.files
-            return _llama_sources(model_config, tied)
-        prefix = "transformer." if "transformer.wte.weight" in self.files else ""
-        return _gpt2_sources(model_config, prefix=prefix)
+        """The model's Source table for this checkpoint's tensor names (prefixes, tied heads)."""
+        return self.cls.hf_sources(model_config, set(self.files))
 
     def check_shapes(self, sources: dict, num_layers: int) -> None:
         for src in sources.values():
@@ -377,9 +279,9 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"--dtype={dtype}: export writes float32 or bfloat16")
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    hf_config = hf_config_from_model(model_config, dtype)
-    sources = (_llama_sources(model_config, tied=False) if model_config.name == "llama"
-               else _gpt2_sources(model_config))
+    cls = _model_with_mapping(model_config)
+    hf_config = {**cls.hf_config(model_config), "dtype": dtype}
+    sources = cls.hf_sources(model_config)
     flat = {_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     by_name: dict[str, list] = {}
     for path, src in sources.items():
@@ -509,7 +411,7 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; pass the workdir of a parallax run")
     config = with_defaults(config_from_json(path.read_text()))
-    hf_config_from_model(config.model)  # an unsupported model fails before anything is restored
+    _model_with_mapping(config.model)  # a model without a mapping fails before anything is restored
     devices = list(jax.devices() if devices is None else devices)
     try:
         trainer = Trainer(config, devices)
