@@ -187,7 +187,8 @@ def test_import_onto_fsdp_tensor_mesh_is_sharded_by_the_rules_and_reads_only_sli
                             on_read=lambda tensor, index: reads.append((tensor, index)))
     _, dense = _import(hf_dir)
     sources = ckpt.sources(trainer.plan.model_config)
-    expected_elements, whole_only_if_replicated, sharded = 0, {}, 0
+    expected_elements, sharded = 0, 0
+    only_sharded = {}  # HF tensor -> whether every parameter read from it is sharded
     for (keys, got), (_, want), ref in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                            jax.tree_util.tree_flatten_with_path(trainer.param_shardings)[0],
                                            jax.tree.leaves(dense)):
@@ -200,13 +201,13 @@ def test_import_onto_fsdp_tensor_mesh_is_sharded_by_the_rules_and_reads_only_sli
         sharded += not want.is_fully_replicated
         for i in range(got.shape[0] if src.stacked else 1):
             tensor = src.name.format(i=i)
-            whole_only_if_replicated[tensor] = whole_only_if_replicated.get(tensor, True) and not want.is_fully_replicated
+            only_sharded[tensor] = only_sharded.get(tensor, True) and not want.is_fully_replicated
     assert sharded >= 8, "the mesh should shard most parameters"
     # Every distinct device slice is read once, and nothing else (no whole tensor read and then cut).
     assert sum(int(np.prod([s.stop - s.start for s in index])) for _, index in reads) == expected_elements
     for tensor, index in reads:
         full = int(np.prod(ckpt.slice(tensor).get_shape()))
-        if whole_only_if_replicated[tensor]:
+        if only_sharded[tensor]:  # then no read covers it whole
             assert int(np.prod([s.stop - s.start for s in index])) < full, (tensor, index)
 
 
