@@ -6,8 +6,11 @@ import sys
 from absl import app, flags
 
 
-def cli_main(run, needs_config: bool):
-    """Parses flags (config overrides strictly), then calls `run(config_or_None, FLAGS)`."""
+def cli_main(run, needs_config):
+    """Parses flags (config overrides strictly), then calls `run(config_or_None, FLAGS)`.
+
+    `needs_config="optional"`: the command builds its config itself (e.g. from a checkpoint's), so `run`
+    gets `(path_or_None, overrides)` in place of the config, and applies the overrides with the same rules."""
     from parallax.config import ConfigError, split_overrides
 
     try:
@@ -39,7 +42,9 @@ def cli_main(run, needs_config: bool):
         if not flags.FLAGS.workdir:
             _config_exit(ConfigError("--workdir is required, e.g. --workdir=/tmp/run1"))
         config = None
-        if needs_config:
+        if needs_config == "optional":
+            config = (flags.FLAGS.config, overrides)
+        elif needs_config:
             if not flags.FLAGS.config:
                 _config_exit(ConfigError("--config is required, e.g. --config=configs/quickstart.py"))
             from parallax.config import config_from_args

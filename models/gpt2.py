@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from parallax import hf
 from parallax.config import ConfigError
 from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
 
@@ -111,6 +112,62 @@ class GPT2(Model):
             raise ConfigError(f"config.train.seq_len={config.train.seq_len}: longer than the learned positions "
                               f"(model.max_positions={m.max_positions}); raise max_positions or shorten seq_len")
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_heads)
+
+    hf_architectures = ("GPT2LMHeadModel",)
+
+    @staticmethod
+    def hf_model_keys(c, where):
+        """HF GPT-2 config.json -> our keys (tanh GELU, scaled attention, tied head only)."""
+        for key, ok in (("activation_function", "gelu_new"), ("scale_attn_weights", True),
+                        ("scale_attn_by_inverse_layer_idx", False), ("tie_word_embeddings", True)):
+            if c.get(key, ok) != ok and not (key == "activation_function" and c[key] == "gelu_pytorch_tanh"):
+                hf.unsupported(where, key, c[key], f"parallax's GPT-2 has {key}={ok!r}")
+        D = hf.required(c, "n_embd", where)
+        return dict(num_layers=hf.required(c, "n_layer", where), vocab_size=hf.required(c, "vocab_size", where),
+                    d_model=D, num_heads=hf.required(c, "n_head", where), d_ff=c.get("n_inner") or 4 * D,
+                    max_positions=hf.required(c, "n_positions", where),
+                    norm_eps=float(c.get("layer_norm_epsilon", 1e-5)))
+
+    @staticmethod
+    def hf_config(m):
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
+                "n_embd": m.d_model, "n_head": m.num_heads, "n_layer": m.num_layers, "n_inner": m.d_ff,
+                "n_positions": m.max_positions, "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new",
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "reorder_and_upcast_attn": False, "tie_word_embeddings": True}
+
+    @staticmethod
+    def hf_sources(m, tensor_names=None):
+        """Where our parameters live in an HF `GPT2LMHeadModel` checkpoint (tensor names with or without the
+        `transformer.` prefix). `Conv1D` weights are already [in, out]; the fused `c_attn` [D, 3D] splits
+        into q | k | v column blocks. Its key-bias block is not read (the softmax cancels it, see the module
+        docstring) and is written as zeros."""
+        D, H, F, V, P = m.d_model, m.num_heads, m.d_ff, m.vocab_size, m.max_positions
+        Dh, S = D // H, hf.Source
+        prefix = "" if tensor_names is not None and "wte.weight" in tensor_names else "transformer."
+        layer = prefix + "h.{i}."
+        c_attn, c_attn_b = layer + "attn.c_attn.weight", layer + "attn.c_attn.bias"
+        return {
+            "wte": S(prefix + "wte.weight", (V, D), (V, D)),
+            "wpe": S(prefix + "wpe.weight", (P, D), (P, D)),
+            "blocks/ln1_scale": S(layer + "ln_1.weight", (D,), (D,)),
+            "blocks/ln1_bias": S(layer + "ln_1.bias", (D,), (D,)),
+            "blocks/wq": S(c_attn, (D, 3 * D), (D, H, Dh), block=(1, 0, D)),
+            "blocks/wk": S(c_attn, (D, 3 * D), (D, H, Dh), block=(1, D, 2 * D)),
+            "blocks/wv": S(c_attn, (D, 3 * D), (D, H, Dh), block=(1, 2 * D, 3 * D)),
+            "blocks/bq": S(c_attn_b, (3 * D,), (H, Dh), block=(0, 0, D)),
+            "blocks/bv": S(c_attn_b, (3 * D,), (H, Dh), block=(0, 2 * D, 3 * D)),
+            "blocks/wo": S(layer + "attn.c_proj.weight", (D, D), (H, Dh, D)),
+            "blocks/bo": S(layer + "attn.c_proj.bias", (D,), (D,)),
+            "blocks/ln2_scale": S(layer + "ln_2.weight", (D,), (D,)),
+            "blocks/ln2_bias": S(layer + "ln_2.bias", (D,), (D,)),
+            "blocks/w_fc": S(layer + "mlp.c_fc.weight", (D, F), (D, F)),
+            "blocks/b_fc": S(layer + "mlp.c_fc.bias", (F,), (F,)),
+            "blocks/w_proj": S(layer + "mlp.c_proj.weight", (F, D), (F, D)),
+            "blocks/b_proj": S(layer + "mlp.c_proj.bias", (D,), (D,)),
+            "lnf_scale": S(prefix + "ln_f.weight", (D,), (D,)),
+            "lnf_bias": S(prefix + "ln_f.bias", (D,), (D,)),
+        }
 
     def __init__(self, config, rngs: nnx.Rngs):
         D, std = config.d_model, config.init_std

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from parallax import hf
 from parallax.config import ConfigError
 from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
 
@@ -153,6 +154,66 @@ class Llama(Model):
                               f"even head_dim")
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_kv_heads,
                               ("num_heads", "num_kv_heads", "vocab_size", "d_ff"))
+
+    hf_architectures = ("LlamaForCausalLM",)
+
+    @staticmethod
+    def hf_model_keys(c, where):
+        """HF Llama config.json -> our keys. Refuses biases, activations other than SiLU and scaled RoPE."""
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            hf.unsupported(where, "rope_type", rope_type, "only unscaled RoPE is implemented (rope_type 'default')")
+        for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+            if c.get(key, ok) != ok:
+                hf.unsupported(where, key, c[key], f"parallax's Llama has {key}={ok!r}")
+        D, H = hf.required(c, "hidden_size", where), hf.required(c, "num_attention_heads", where)
+        head_dim = c.get("head_dim") or D // H
+        return dict(num_layers=hf.required(c, "num_hidden_layers", where),
+                    vocab_size=hf.required(c, "vocab_size", where), d_model=D, num_heads=H,
+                    num_kv_heads=c.get("num_key_value_heads") or H, d_ff=hf.required(c, "intermediate_size", where),
+                    head_dim=0 if head_dim * H == D else head_dim,
+                    rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+                    norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+
+    @staticmethod
+    def hf_config(m):
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+                "hidden_size": m.d_model, "intermediate_size": m.d_ff, "num_hidden_layers": m.num_layers,
+                "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads,
+                "head_dim": m.head_dim or m.d_model // m.num_heads, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+                "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "rope_theta": m.rope_theta,
+                "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+
+    @staticmethod
+    def hf_sources(m, tensor_names=None):
+        """Where our parameters live in an HF `LlamaForCausalLM` checkpoint.
+
+        HF `Linear` weights are [out, in]: they are transposed and the heads split out (q_proj [H*Dh, D] ->
+        wq [D, H, Dh]; k/v_proj have K*Dh rows under GQA). RoPE: `rope` above rotates the two *halves* of
+        each head, which is HF's `rotate_half` convention with the same frequencies, so q / k rows are
+        copied as they are (only an interleaved-pair RoPE, as in Meta's original checkpoints, would need a
+        row permutation); tests/test_hf.py checks it against transformers' logits. The head is untied here:
+        a checkpoint without `lm_head.weight` (`tie_word_embeddings`) gives the embedding to both, and they
+        train apart; export writes `lm_head.weight`."""
+        D, H, K, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size
+        Dh, S = m.head_dim or D // H, hf.Source
+        tied = tensor_names is not None and "lm_head.weight" not in tensor_names
+        layer = "model.layers.{i}."
+        return {
+            "embedding": S("model.embed_tokens.weight", (V, D), (V, D)),
+            "blocks/attn_norm": S(layer + "input_layernorm.weight", (D,), (D,)),
+            "blocks/wq": S(layer + "self_attn.q_proj.weight", (H * Dh, D), (H, Dh, D), (2, 0, 1)),
+            "blocks/wk": S(layer + "self_attn.k_proj.weight", (K * Dh, D), (K, Dh, D), (2, 0, 1)),
+            "blocks/wv": S(layer + "self_attn.v_proj.weight", (K * Dh, D), (K, Dh, D), (2, 0, 1)),
+            "blocks/wo": S(layer + "self_attn.o_proj.weight", (D, H * Dh), (D, H, Dh), (1, 2, 0)),
+            "blocks/mlp_norm": S(layer + "post_attention_layernorm.weight", (D,), (D,)),
+            "blocks/w_gate": S(layer + "mlp.gate_proj.weight", (F, D), (F, D), (1, 0)),
+            "blocks/w_up": S(layer + "mlp.up_proj.weight", (F, D), (F, D), (1, 0)),
+            "blocks/w_down": S(layer + "mlp.down_proj.weight", (D, F), (D, F), (1, 0)),
+            "final_norm": S("model.norm.weight", (D,), (D,)),
+            "head": S("model.embed_tokens.weight" if tied else "lm_head.weight", (V, D), (V, D), (1, 0)),
+        }
 
     def __init__(self, config, rngs: nnx.Rngs):
         cfg = LlamaConfig.from_config(config)

@@ -25,11 +25,20 @@ class ConfigError(ValueError):
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
-    """Imports a config file and returns its `get_config()`. Anything the file raises (a syntax error, a key
+    """Imports a config file and returns its `get_config()` (or, for a `.json` file, the config a run saved in
+    its workdir, with today's defaults for keys added since). Anything the file raises (a syntax error, a key
     that the locked `default_config()` does not have, any exception) is a one-line ConfigError naming the
     file and line."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config={path}: no such file; pass a file such as configs/quickstart.py")
+    if path.endswith(".json"):  # a run's own config.json (e.g. one launch/hf_import.py wrote)
+        from parallax.defaults import with_defaults
+        try:
+            with open(path) as f:
+                return with_defaults(config_from_json(f.read()))
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ConfigError(f"--config={path}: not a parallax config.json ({type(e).__name__}: {e}); pass the "
+                              "config.json a run wrote, or a Python config file") from None
     name = "parallax_config_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

@@ -113,6 +113,27 @@ class Model(nnx.Module):
         """The parameters after an optimizer step, given that step's global aux sums (default: as they are)."""
         return params
 
+    # Hugging Face interop (`parallax.hf`, optional): the HF `architectures` this model reads and writes, and
+    # the mapping both ways. A model without them simply cannot be imported or exported.
+    hf_architectures: tuple[str, ...] = ()
+
+    @staticmethod
+    def hf_model_keys(hf_config: dict, where: str) -> dict:
+        """This model's `config.model` keys from an HF config.json dict; a ConfigError (naming `where` and
+        the key) for an option the model does not implement."""
+        raise NotImplementedError
+
+    @staticmethod
+    def hf_config(model_config) -> dict:
+        """The HF config.json dict of `model_config` (export; the inverse of `hf_model_keys`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def hf_sources(model_config, tensor_names=None) -> dict:
+        """{parameter path, e.g. 'blocks/wq': `parallax.hf.Source`}: where each parameter lives in an HF
+        checkpoint whose tensors are `tensor_names` (a set; None: the names export writes)."""
+        raise NotImplementedError
+
     def embed(self, batch, par: Parallelism = DENSE):
         raise NotImplementedError(f"{type(self).__name__} must define embed(batch, par)")
 

@@ -1,0 +1,430 @@
+"""Hugging Face interop: a checkpoint in the HF layout (config.json + safetensors, one file or shards with
+`model.safetensors.index.json`) to and from parallax parameters, for any model that declares the mapping.
+
+**The mapping lives with the model** (the model contract, `parallax.model.Model`): `hf_architectures` (the
+HF `architectures` it reads and writes), `hf_model_keys` (HF config.json -> its `config.model` keys; a
+ConfigError for what it cannot run), `hf_config` (the reverse) and `hf_sources`, one `Source` per parameter:
+ours[layer] = transpose(reshape(hf[name][block], view), perm). This module holds the mechanism only and
+reads that table in both directions; the shipped models (models/) have theirs.
+
+**Loading is sharded.** Each parameter is built with `jax.make_array_from_callback` on the sharding the
+rules give it; the callback reads only the slice of the safetensors data that one device holds
+(`safe_open(...).get_slice(name)[...]`, a memory-mapped read), and a stacked `[L, ...]` parameter is
+assembled from the per-layer HF tensors of that slice's layers, one layer at a time. Nothing sharded is
+ever whole on one host. Devices holding the same slice (replication) share one read.
+
+**Export** gathers one HF tensor at a time (one layer of one parameter) and writes safetensors files of at
+most `max_shard_bytes` (an index json when there are several), plus the model's HF `config.json`.
+
+Parameters are float32 in parallax: bf16 / fp16 checkpoints are upcast on load; export writes float32 (or
+bfloat16 with `dtype`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from parallax.config import ConfigError
+from parallax.model import ENTRY_POINT_GROUP, model_class
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError:
+        raise ConfigError("Hugging Face import / export needs the safetensors package (a parallax dependency); "
+                          "pip install safetensors") from None
+    return safetensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one parameter (one layer of it, for a stacked one) lives in the HF checkpoint.
+
+    ours = transpose(reshape(hf[name][block], view), perm), where `block = (axis, start, stop)` cuts a part
+    of a fused HF tensor (e.g. a fused q|k|v projection) and `view` splits HF axes only (e.g. [H*Dh, D] -> (H, Dh, D)).
+    """
+    name: str  # HF tensor name; '{i}' stands for the layer index of a stacked parameter
+    hf_shape: tuple  # the whole HF tensor
+    view: tuple
+    perm: tuple = None  # view axes in our order (default: as they are)
+    block: tuple = None  # (axis, start, stop) of the HF tensor that is ours
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.name
+
+    def block_shape(self) -> tuple:
+        shape = list(self.hf_shape)
+        if self.block:
+            axis, start, stop = self.block
+            shape[axis] = stop - start
+        return tuple(shape)
+
+    def groups(self) -> list[list[int]]:
+        """For each HF axis (after the block cut), the view axes it splits into."""
+        groups, v = [], 0
+        for size in self.block_shape():
+            group, prod = [], 1
+            while prod < size or not group:
+                group.append(v)
+                prod *= self.view[v]
+                v += 1
+            if prod != size:
+                raise ValueError(f"{self.name}: view {self.view} does not split {self.block_shape()}")
+            groups.append(group)
+        return groups
+
+    def our_shape(self) -> tuple:
+        perm = self.perm or tuple(range(len(self.view)))
+        return tuple(self.view[p] for p in perm)
+
+    def read(self, handle, layer: int, our_index: tuple) -> np.ndarray:
+        """Our slice `our_index` (one slice per our per-layer axis) of layer `layer`, as float32.
+
+        Reads from the file the rows of each HF axis that the slice of its leading view axis covers; a slice
+        of an inner view axis (e.g. head_dim, which the rules never shard) is cut after the read."""
+        perm = self.perm or tuple(range(len(self.view)))
+        view_index = [slice(None)] * len(self.view)
+        for ours, v in enumerate(perm):
+            view_index[v] = our_index[ours]
+        hf_index, inner = [], []
+        for axis, group in enumerate(self.groups()):
+            first = view_index[group[0]]
+            start, stop, _ = first.indices(self.view[group[0]])
+            rest = math.prod(self.view[v] for v in group[1:])
+            offset = self.block[1] if self.block and self.block[0] == axis else 0
+            hf_index.append(slice(offset + start * rest, offset + stop * rest))
+            inner += [slice(None)] + [view_index[v] for v in group[1:]]
+        data = np.asarray(handle(self.name.format(i=layer))[tuple(hf_index)])
+        shape = []  # the read rows, split as the view splits each HF axis
+        for axis, group in enumerate(self.groups()):
+            rest = [self.view[v] for v in group[1:]]
+            shape += [(hf_index[axis].stop - hf_index[axis].start) // math.prod(rest)] + rest
+        data = data.reshape(shape)[tuple(inner)]
+        return np.transpose(data, perm).astype(np.float32)
+
+    def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        """One layer of our parameter -> its block of the HF tensor (the inverse of `read`)."""
+        perm = self.perm or tuple(range(len(self.view)))
+        return np.transpose(ours, np.argsort(perm)).reshape(self.block_shape())
+
+
+# --- helpers for the models' `hf_model_keys` -------------------------------------------------------------
+
+def required(hf: dict, key: str, where: str):
+    """hf[key], or a ConfigError saying the config.json lacks it."""
+    if key not in hf:
+        raise ConfigError(f"{where}: config.json has no {key!r}; it is not a complete HF config")
+    return hf[key]
+
+
+def unsupported(where: str, key: str, value, fix: str):
+    """Raises the ConfigError for an HF option the model does not implement."""
+    raise ConfigError(f"{where}: {key}={value!r} is not supported by parallax's model; {fix}")
+
+
+def model_for(hf: dict, where: str) -> tuple[str, type]:
+    """(registered model name, class) whose `hf_architectures` holds the config's architecture."""
+    arch = (hf.get("architectures") or [None])[0]
+    found = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        cls = model_class(ep.name)
+        found.update({a: (ep.name, cls) for a in cls.hf_architectures})
+    if arch not in found:
+        raise ConfigError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(found)} "
+                          "(convert the checkpoint to one of them, or give a model hf_architectures and hf_sources)")
+    return found[arch]
+
+
+def _model_with_mapping(model_config) -> type:
+    cls = model_class(model_config.name)
+    if not cls.hf_architectures:
+        raise ConfigError(f"config.model.name={model_config.name!r}: this model has no Hugging Face mapping (its "
+                          "class declares no hf_architectures / hf_sources)")
+    return cls
+
+
+# --- reading -------------------------------------------------------------------------------------------
+
+class Checkpoint:
+    """An HF checkpoint directory: its config.json and lazily opened safetensors files."""
+
+    def __init__(self, hf_dir: str):
+        self.dir, where = hf_dir, f"--hf_dir={hf_dir}"
+        if not os.path.isdir(hf_dir):
+            raise ConfigError(f"{where}: no such directory; pass a directory holding config.json and "
+                              "model.safetensors (e.g. one written by save_pretrained)")
+        config_path = os.path.join(hf_dir, "config.json")
+        try:
+            with open(config_path) as f:
+                self.config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{where}: cannot read config.json ({type(e).__name__}: {e}); the directory must "
+                              "hold an HF config.json") from None
+        index_path = os.path.join(hf_dir, INDEX_FILE)
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                self.files = json.load(f)["weight_map"]
+        elif os.path.exists(os.path.join(hf_dir, SINGLE_FILE)):
+            safe_open = _safetensors().safe_open
+            with safe_open(os.path.join(hf_dir, SINGLE_FILE), framework="numpy") as f:
+                self.files = {k: SINGLE_FILE for k in f.keys()}
+        else:
+            raise ConfigError(f"{where}: neither {SINGLE_FILE} nor {INDEX_FILE} there; save the model with "
+                              "save_pretrained(..., safe_serialization=True) (PyTorch .bin files are not read)")
+        self._open = {}
+        self.name, self.cls = model_for(self.config, f"{where}/config.json")
+        self.model_keys = self.cls.hf_model_keys(self.config, f"{where}/config.json")
+
+    def _file(self, tensor: str):
+        if tensor not in self.files:
+            raise ConfigError(f"--hf_dir={self.dir}: tensor {tensor!r} is missing from the checkpoint that "
+                              f"config.json describes ({self.config.get('architectures')}); it is incomplete")
+        fname = self.files[tensor]
+        if fname not in self._open:
+            self._open[fname] = _safetensors().safe_open(os.path.join(self.dir, fname), framework="numpy")
+        return self._open[fname]
+
+    def slice(self, tensor: str):
+        return self._file(tensor).get_slice(tensor)
+
+    def sources(self, model_config) -> dict:
+        """The model's Source table for this checkpoint's tensor names (prefixes, tied heads)."""
+        return self.cls.hf_sources(model_config, set(self.files))
+
+    def check_shapes(self, sources: dict, num_layers: int) -> None:
+        for src in sources.values():
+            for i in range(num_layers if src.stacked else 1):
+                tensor = src.name.format(i=i)
+                shape = tuple(self.slice(tensor).get_shape())
+                if shape != src.hf_shape:
+                    raise ConfigError(f"--hf_dir={self.dir}: tensor {tensor!r} has shape {shape} but config.json "
+                                      f"implies {src.hf_shape}; the weights and config.json do not match: use "
+                                      "the config.json saved with these weights")
+
+
+def _path(keys) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in keys)
+
+
+def load_params(ckpt: Checkpoint, model_config, shardings: dict, on_read=None) -> dict:
+    """Our params (pure dict, float32) read from `ckpt` straight onto `shardings` (a pure dict of
+    NamedShardings, e.g. `Trainer.param_shardings`). `on_read(tensor_name, index)` is called for every
+    slice read from a file (tests count what the loader reads)."""
+    sources = ckpt.sources(model_config)
+    ckpt.check_shapes(sources, model_config.num_layers)
+
+    def handle(name):
+        sl = ckpt.slice(name)
+        if on_read is None:
+            return sl
+
+        class Logged:
+            def __getitem__(self, index):
+                on_read(name, index)
+                return sl[index]
+        return Logged()
+
+    def build(keys, sharding):
+        path = _path(keys)
+        if path not in sources:
+            raise ConfigError(f"config.model.name={model_config.name!r}: parameter {path} has no HF counterpart")
+        src = sources[path]
+        shape = ((model_config.num_layers,) if src.stacked else ()) + src.our_shape()
+        cache = {}  # devices holding the same slice share one read
+
+        def callback(index):
+            index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in cache:
+                if src.stacked:
+                    layers = range(*index[0].indices(shape[0]))
+                    cache[key] = np.stack([src.read(handle, i, index[1:]) for i in layers])
+                else:
+                    cache[key] = src.read(handle, 0, index)
+            return cache[key]
+        return jax.make_array_from_callback(shape, sharding, callback)
+
+    return jax.tree_util.tree_map_with_path(build, shardings)
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+def _host_value(x) -> np.ndarray:
+    """A (possibly sharded, possibly multi-host) array gathered to a numpy array on this host."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def export_params(params: dict, model_config, out_dir: str, dtype: str = "float32",
+                  max_shard_bytes: int = 5 << 30) -> list[str]:
+    """Writes `params` (our pure dict, possibly sharded) as an HF checkpoint in `out_dir`: config.json and
+    model.safetensors, or model-0000i-of-0000n.safetensors + index json when larger than `max_shard_bytes`.
+    Gathers one HF tensor (one layer of one parameter) at a time; only process 0 writes. Returns the files."""
+    st = _safetensors()
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype={dtype}: export writes float32 or bfloat16")
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    cls = _model_with_mapping(model_config)
+    hf_config = {**cls.hf_config(model_config), "dtype": dtype}
+    sources = cls.hf_sources(model_config)
+    flat = {_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    by_name: dict[str, list] = {}
+    for path, src in sources.items():
+        by_name.setdefault(src.name, []).append((path, src))
+    items = [(n, 0) for n in by_name if "{i}" not in n]
+    items += [(n, i) for i in range(model_config.num_layers) for n in by_name if "{i}" in n]
+    lead = jax.process_index() == 0
+    if lead:
+        os.makedirs(out_dir, exist_ok=True)
+    files, current, size = [], {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current and lead:
+            path = os.path.join(out_dir, f"part-{len(files):05d}.tmp")
+            st.numpy.save_file(current, path, metadata={"format": "pt"})
+            files.append((path, list(current)))
+        elif current:
+            files.append((None, list(current)))
+        current, size = {}, 0
+
+    for template, layer in items:
+        tensor, pieces = template.format(i=layer), by_name[template]
+        hf = np.zeros(pieces[0][1].hf_shape, np.float32)
+        for path, src in pieces:
+            ours = _host_value(flat[path][layer] if src.stacked else flat[path])
+            index = [slice(None)] * hf.ndim
+            if src.block:
+                index[src.block[0]] = slice(src.block[1], src.block[2])
+            hf[tuple(index)] = src.to_hf(ours)
+        hf = hf.astype(np_dtype)
+        if current and size + hf.nbytes > max_shard_bytes:
+            flush()
+        current[tensor] = hf
+        size += hf.nbytes
+    flush()
+    if not lead:
+        return []
+    names = []
+    if len(files) == 1:
+        os.replace(files[0][0], os.path.join(out_dir, SINGLE_FILE))
+        names.append(SINGLE_FILE)
+    else:
+        weight_map, total = {}, 0
+        for k, (path, tensors) in enumerate(files):
+            name = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+            total += os.path.getsize(path)
+            os.replace(path, os.path.join(out_dir, name))
+            weight_map.update({t: name for t in tensors})
+            names.append(name)
+        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        names.append(INDEX_FILE)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    return names + ["config.json"]
+
+
+# --- whole workdirs ------------------------------------------------------------------------------------
+
+def import_config(ckpt: Checkpoint, base_path: str | None, overrides) -> object:
+    """The parallax config of a run starting from `ckpt`: `base_path`'s (or the defaults for the model),
+    with the command line's overrides, and the model keys from the HF config.json."""
+    from parallax.config import apply_override, load_config_file
+    from parallax.defaults import default_config
+
+    config = load_config_file(base_path) if base_path else default_config(ckpt.name)
+    if config.model.name != ckpt.name:
+        raise ConfigError(f"--config={base_path}: model.name={config.model.name!r} but --hf_dir={ckpt.dir} holds a "
+                          f"{ckpt.name} checkpoint; use a config of model {ckpt.name!r}, or none (the defaults)")
+    for key, value in overrides:
+        if key.startswith("model.") and key.split(".", 1)[1] in ckpt.model_keys:
+            raise ConfigError(f"config.{key}: set by the checkpoint's config.json ({ckpt.model_keys[key[6:]]}); "
+                              "drop this override")
+        apply_override(config, key, value)
+    config.model.update(ckpt.model_keys)
+    return config
+
+
+def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, overrides=(), devices=None,
+                      log=print, on_read=None) -> dict:
+    """Imports `hf_dir` into a new parallax run in `workdir`: config.json and a step-0 checkpoint (params
+    sharded as the config's mesh and rules say, a fresh optimizer state) that `launch/train.py
+    --config=WORKDIR/config.json --workdir=WORKDIR` continues and `launch/sample.py` samples from.
+    Returns the state."""
+    import jax.numpy as jnp
+    from etils import epath
+
+    from parallax import checkpoint as ckpt_lib
+    from parallax.trainer import Trainer
+
+    ckpt = Checkpoint(hf_dir)
+    config = import_config(ckpt, base_path, overrides)
+    workdir = epath.Path(workdir)
+    if (workdir / "checkpoints").exists() or (workdir / "config.json").exists():
+        raise ConfigError(f"--workdir={workdir}: already holds a run; import into a new --workdir")
+    trainer = Trainer(config, devices)
+    params = load_params(ckpt, trainer.plan.model_config, trainer.param_shardings, on_read)
+    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.state_shardings["opt_state"])(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), trainer.state_shardings["step"])
+    state = {"step": step, "params": params, "opt_state": opt_state}
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    t = config.train
+    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", t.checkpoint_every, t.keep_checkpoints,
+                                         async_save=False)
+    checkpointer.maybe_save(0, state, force=True)
+    checkpointer.close()
+    log(f"imported {hf_dir} ({ckpt.name}, {trainer.num_params / 1e6:.2f}M params) into {workdir} at step 0; "
+        f"train with: python launch/train.py --config={workdir}/config.json --workdir={workdir}")
+    return state
+
+
+def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: str = "float32",
+                   max_shard_bytes: int = 5 << 30, devices=None, log=print) -> list[str]:
+    """Exports a checkpoint of `workdir` (default: the latest) as an HF checkpoint in `out_dir`. Restores on
+    the run's mesh when the devices allow it (parameters stay sharded), else on one device."""
+    from etils import epath
+
+    from parallax import checkpoint as ckpt_lib
+    from parallax.config import config_from_json
+    from parallax.defaults import with_defaults
+    from parallax.trainer import Trainer
+
+    path = epath.Path(workdir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"--workdir={workdir}: no config.json there; pass the workdir of a parallax run")
+    config = with_defaults(config_from_json(path.read_text()))
+    _model_with_mapping(config.model)  # a model without a mapping fails before anything is restored
+    devices = list(jax.devices() if devices is None else devices)
+    try:
+        trainer = Trainer(config, devices)
+    except ConfigError:  # the run's mesh needs other devices: restore on one
+        for axis in config.mesh:
+            config.mesh[axis] = 1
+        trainer = Trainer(config, devices[:1])
+    checkpointer = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1, cleanup=False)
+    step = checkpointer.latest_step() if step is None else step
+    if step is None:
+        raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train (or import) first")
+    params = checkpointer.restore(trainer.abstract_state(), step)["params"]
+    checkpointer.close()
+    names = export_params(params, trainer.plan.model_config, out_dir, dtype, max_shard_bytes)
+    log(f"exported step {step} of {workdir} ({config.model.name}) to {out_dir}: {', '.join(names)}")
+    return names
