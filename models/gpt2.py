@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
+from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split, constrain,
+                            param_flops_per_token)
 
 
 def layer_norm(x, scale, bias, eps):
@@ -111,6 +112,13 @@ class GPT2(Model):
             raise ConfigError(f"config.train.seq_len={config.train.seq_len}: longer than the learned positions "
                               f"(model.max_positions={m.max_positions}); raise max_positions or shorten seq_len")
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_heads)
+
+    @staticmethod
+    def flops_per_token(m, seq_len, params, logical) -> float:
+        """6 per parameter but the position table (a lookup; the token table is also the head, a matmul),
+        plus attention over the causal window."""
+        return param_flops_per_token(params, logical, lookup=("positions",)) + attention_flops_per_token(
+            m.num_layers, m.num_heads, m.d_model // m.num_heads, seq_len)
 
     def __init__(self, config, rngs: nnx.Rngs):
         D, std = config.d_model, config.init_std

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
+from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split, constrain,
+                            param_flops_per_token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,12 @@ class Llama(Model):
                               f"even head_dim")
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_kv_heads,
                               ("num_heads", "num_kv_heads", "vocab_size", "d_ff"))
+
+    @staticmethod
+    def flops_per_token(m, seq_len, params, logical) -> float:
+        """6 per parameter but the embedding table (a lookup), plus attention over the causal window."""
+        return param_flops_per_token(params, logical) + attention_flops_per_token(
+            m.num_layers, m.num_heads, m.head_dim or m.d_model // m.num_heads, seq_len)
 
     def __init__(self, config, rngs: nnx.Rngs):
         cfg = LlamaConfig.from_config(config)
