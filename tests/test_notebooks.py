@@ -64,7 +64,7 @@ def test_custom_model_notebook_trains_a_notebook_model_on_pipe_and_fsdp(tmp_path
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert "'fsdp': 2, 'pipe': 2" in text and "schedule 1f1b" in text
     assert f"step {STEPS}/{STEPS}" in text
-    assert "PartitionSpec('pipe', 'fsdp'" in text  # stacked block weights: layers over pipe, embed over fsdp
+    assert "P('pipe', 'fsdp')" in text  # stacked block weights: layers over pipe, embed over fsdp
     assert _images(_tagged(nb, "loss-plot"))
 
 
