@@ -36,6 +36,9 @@ def _parse_flags(argv):
 
 def main(argv):
     del argv
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
     from parallax.plots import MetricsError, plot_runs
 
     if not FLAGS.workdir:

@@ -39,10 +39,7 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the backend is the caller's (a notebook's inline one; launch/plot.py: Agg)
     return plt
 
 

@@ -178,3 +178,10 @@ def test_a_model_without_a_flops_hook_counts_6_per_non_lookup_parameter():
     plan = make_plan(config, 1)
     got = plan.model_class.flops_per_token(plan.model_config, 16, plan.abstract_params, plan.logical)
     assert got == 6 * (plan.num_params - math.prod(plan.abstract_params["table"].shape))
+
+
+def test_progress_line_shows_mfu_only_when_logged():
+    from parallax.train import _progress_line
+    record = {"step": 5, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 1e4, "step_time_s": 0.1}
+    assert "mfu" not in _progress_line(record, 10, 1.0)
+    assert "mfu 41.2%" in _progress_line({**record, "mfu": 0.412}, 10, 1.0)

@@ -32,7 +32,6 @@ def _execute(name, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setenv("PARALLAX_NOTEBOOK_STEPS", STEPS)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = _read(name)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     return nb
