@@ -25,7 +25,8 @@ from flax import nnx
 
 from parallax import hf
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
+from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split, constrain,
+                            param_flops_per_token)
 
 
 def layer_norm(x, scale, bias, eps):
@@ -168,6 +169,13 @@ class GPT2(Model):
             "lnf_scale": S(prefix + "ln_f.weight", (D,), (D,)),
             "lnf_bias": S(prefix + "ln_f.bias", (D,), (D,)),
         }
+
+    @staticmethod
+    def flops_per_token(m, seq_len, params, logical) -> float:
+        """6 per parameter but the position table (a lookup; the token table is also the head, a matmul),
+        plus attention over the causal window."""
+        return param_flops_per_token(params, logical, lookup=("positions",)) + attention_flops_per_token(
+            m.num_layers, m.num_heads, m.d_model // m.num_heads, seq_len)
 
     def __init__(self, config, rngs: nnx.Rngs):
         D, std = config.d_model, config.init_std

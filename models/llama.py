@@ -26,7 +26,8 @@ from flax import nnx
 
 from parallax import hf
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism, check_attention_split, constrain
+from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split, constrain,
+                            param_flops_per_token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +215,12 @@ class Llama(Model):
             "final_norm": S("model.norm.weight", (D,), (D,)),
             "head": S("model.embed_tokens.weight" if tied else "lm_head.weight", (V, D), (V, D), (1, 0)),
         }
+
+    @staticmethod
+    def flops_per_token(m, seq_len, params, logical) -> float:
+        """6 per parameter but the embedding table (a lookup), plus attention over the causal window."""
+        return param_flops_per_token(params, logical) + attention_flops_per_token(
+            m.num_layers, m.num_heads, m.head_dim or m.d_model // m.num_heads, seq_len)
 
     def __init__(self, config, rngs: nnx.Rngs):
         cfg = LlamaConfig.from_config(config)

@@ -52,7 +52,7 @@ from flax import nnx
 
 from models import llama
 from parallax.config import ConfigError
-from parallax.model import DENSE, Model, Parallelism, apply_blocks
+from parallax.model import DENSE, Model, Parallelism, apply_blocks, attention_flops_per_token, param_flops_per_token
 from parallax.parallel import expert as ep_lib
 
 MOE_DEFAULTS = dict(
@@ -272,6 +272,15 @@ class MoE(Model):
             graphdef, stacked = nnx.split(self.dense_blocks)
             x = apply_blocks(graphdef, nnx.to_pure_dict(stacked), x, batch, self.remat, par)
         return x
+
+    @staticmethod
+    def flops_per_token(m, seq_len, params, logical) -> float:
+        """The active parameters: 6 per parameter but the embedding table, routed experts counted top_k /
+        num_experts; plus attention in every layer (the dense first ones too)."""
+        moe = m.moe
+        layers = m.num_layers + moe.first_dense
+        return (param_flops_per_token(params, logical, fraction={"experts": moe.top_k / moe.num_experts})
+                + attention_flops_per_token(layers, m.num_heads, m.head_dim or m.d_model // m.num_heads, seq_len))
 
     @staticmethod
     def aux_metrics(model_config, aux, weight_total) -> dict:

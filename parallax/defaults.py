@@ -20,7 +20,8 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict(dict(
         steps=100, global_batch_size=8, seq_len=64, seed=0, microbatches=1, log_every=10, eval_every=50,
         eval_batches=2, checkpoint_every=50, keep_checkpoints=2, async_checkpoint=True, nan_policy="stop",
-        sample_tokens=200))
+        sample_tokens=200,
+        profile_steps=()))  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=1e-3, warmup_steps=10, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
         min_lr_ratio=0.1, decay_steps=0, schedule="cosine", wsd_decay_fraction=0.2,

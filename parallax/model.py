@@ -28,7 +28,11 @@ Class-level hooks: `config_defaults()` (the model's own `config.model` keys and 
 logical names the model adds to the rules table). For layers with aux values: `aux_metrics(model_config,
 aux, weight_total)` (scalars for the train metrics) and `after_step(model_config, params, aux)` (a pure
 update of parameters the optimizer does not train, e.g. a router's balancing bias, applied after each
-optimizer step; such a parameter must get a zero gradient, so AdamW leaves it as it is).
+optimizer step; such a parameter must get a zero gradient, so AdamW leaves it as it is). For MFU:
+`flops_per_token(model_config, seq_len, params, logical)`, the model FLOPs of training one token (forward
+and backward); the default counts 6 per parameter a token multiplies (`param_flops_per_token`) and no
+attention term, so a model adds its attention (`attention_flops_per_token`) and says which parameters are
+lookups or used by some tokens only.
 
 **The parallel surface** is one object, `par` (a `Parallelism`). A model that declares no
 `parallel_axes` gets `DENSE` and can ignore it: parallax still runs it data-parallel, FSDP and pipelined,
@@ -51,6 +55,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import math
 import os
 import sys
 
@@ -62,10 +67,10 @@ from flax import nnx
 from parallax.config import ConfigError
 from parallax.parallel.manual import DENSE, GATHERED, Parallelism
 from parallax.parallel.sequence import check_sequence_parallel
-from parallax.sharding import constrain
+from parallax.sharding import constrain, is_logical_names
 
 __all__ = ["Model", "Parallelism", "DENSE", "constrain", "model_class", "apply_blocks", "forward", "loss_sum",
-           "loss_terms", "aux_loss",
+           "loss_terms", "aux_loss", "param_flops_per_token", "attention_flops_per_token",
            "GENERIC_KEYS", "EXPLICIT_AXES"]
 
 # `config.model` keys parallax itself reads; everything else in `config.model` belongs to the model.
@@ -134,6 +139,14 @@ class Model(nnx.Module):
         checkpoint whose tensors are `tensor_names` (a set; None: the names export writes)."""
         raise NotImplementedError
 
+    @staticmethod
+    def flops_per_token(model_config, seq_len: int, params: dict, logical: dict) -> float:
+        """Model FLOPs of training one token (forward + backward), for MFU. `params`: the abstract parameters
+        (a pure dict of shapes), `logical` their logical names. Default: `param_flops_per_token` (6 per
+        parameter, lookup tables whose first logical name is `vocab` skipped), no attention term; models
+        override it with their attention term (`attention_flops_per_token`)."""
+        return param_flops_per_token(params, logical)
+
     def embed(self, batch, par: Parallelism = DENSE):
         raise NotImplementedError(f"{type(self).__name__} must define embed(batch, par)")
 
@@ -149,6 +162,26 @@ class Model(nnx.Module):
         before the chunks (`par.gathered`), not once per chunk."""
         model, p = par.gathered(self), par.model_axes_only()
         return par.chunked(lambda xc, bc: p.cross_entropy(model.logits(xc, p), bc), x, batch)
+
+
+def param_flops_per_token(params: dict, logical: dict, lookup=("vocab",), fraction: dict | None = None) -> float:
+    """6 FLOPs (a multiply-add forward, two backward) per parameter each token multiplies: every parameter
+    but lookup tables (first logical name in `lookup`, e.g. an embedding table read by index), those with a
+    logical name in `fraction` counted by that fraction (e.g. `{"experts": top_k / num_experts}`: the
+    active parameters of a mixture of experts)."""
+    total = 0.0
+    for leaf, names in zip(jax.tree.leaves(params), jax.tree.leaves(logical, is_leaf=is_logical_names)):
+        if names and names[0] in lookup:
+            continue
+        share = min([(fraction or {}).get(n, 1.0) for n in names] or [1.0])
+        total += 6.0 * share * math.prod(leaf.shape)
+    return total
+
+
+def attention_flops_per_token(num_layers: int, num_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token of the attention scores and their weighted sum (Q K^T and A V: 4 T H Dh
+    forward per layer, x3 with the backward), over the whole causal window as PaLM's MFU counts them."""
+    return 12.0 * num_layers * num_heads * head_dim * seq_len
 
 
 def check_attention_split(model_config, sizes, seq_len: int, num_heads: int, num_kv_heads: int,

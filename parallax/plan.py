@@ -147,6 +147,12 @@ def _check_generic(config, sizes):
             raise ConfigError(f"config.train.{key}={t[key]}: must be >= 0 (0 turns it off)")
     if t.eval_every and t.eval_batches <= 0:
         raise ConfigError(f"config.train.eval_batches={t.eval_batches}: must be >= 1 when eval_every > 0")
+    profile = tuple(t.profile_steps)
+    if profile and (len(profile) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in profile)
+                    or not 1 <= profile[0] <= profile[1] <= t.steps):
+        raise ConfigError(f"config.train.profile_steps={profile}: expected two steps FIRST,LAST with 1 <= FIRST <= "
+                          f"LAST <= train.steps={t.steps}, e.g. --config.train.profile_steps=3,5 (step 1 includes "
+                          f"compilation), or () for no profile")
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
     optim_lib.check(o)

@@ -2,8 +2,9 @@
 
 `train_and_evaluate(config, workdir)` is the library entry point (the launcher calls it): it makes the
 plan and the `Trainer` (`parallax.trainer`), resumes from the workdir's latest checkpoint, trains with a
-progress line and `metrics.jsonl`, evaluates every `train.eval_every` steps by the training loss path,
-saves every `train.checkpoint_every` steps, and on SIGTERM saves and returns.
+progress line, `metrics.jsonl` and TensorBoard event files (`tb/`), evaluates every `train.eval_every` steps by the training loss path,
+saves every `train.checkpoint_every` steps, and on SIGTERM saves and returns. `train.profile_steps=(a, b)`
+writes a `jax.profiler` trace of steps a..b to `profile/` (TensorBoard's profile plugin, Perfetto).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from parallax import data as data_lib
 from parallax import mesh as mesh_lib
 from parallax.config import ConfigError, config_from_json
 from parallax.defaults import with_defaults
+from parallax.summary import TensorBoardWriter
+from parallax.throughput import throughput
 from parallax.trainer import Trainer
 
 
@@ -127,8 +130,9 @@ def _stop_requested(flag: bool) -> bool:
 def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainResult:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; the library entry point.
 
-    Only process 0 writes `config.json` / `metrics.jsonl` and logs. On SIGTERM every host saves the same
-    step and returns with `preempted=True`; rerunning the same command continues exactly.
+    Only process 0 writes `config.json`, `metrics.jsonl` and the TensorBoard events (`tb/`) and logs. On
+    SIGTERM every host saves the same step and returns with `preempted=True`; rerunning the same command
+    continues exactly.
     """
     trainer = Trainer(config, devices)
     dataset = make_dataset(config)
@@ -140,13 +144,41 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
                                          async_save=t.async_checkpoint)
     stop = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    tensorboard, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
     try:
         state = _start(trainer, dataset, checkpointer, workdir, lead, log)
+        if lead:
+            tensorboard = TensorBoardWriter(workdir / "tb", int(state["step"]))
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
-                     lambda: stop["signal"] is not None)
+                     lambda: stop["signal"] is not None, tensorboard, profiler)
     finally:
+        profiler.stop()
+        if tensorboard is not None:
+            tensorboard.close()  # flushes what was logged, also when the run failed
         signal.signal(signal.SIGTERM, previous)
         checkpointer.close()
+
+
+class _Profiler:
+    """`jax.profiler` trace of steps first..last (`train.profile_steps`, 1-based like the logged steps) into
+    `directory`; a resumed run past `first` traces the steps of the range it still runs."""
+
+    def __init__(self, directory, steps):
+        self.directory, self.steps, self.active = directory, tuple(steps), False
+
+    def before(self, step: int) -> None:  # `step`: the number of the step about to run
+        if self.steps and not self.active and self.steps[0] <= step <= self.steps[1]:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int) -> None:  # `step` has finished (its metrics are on the host)
+        if self.active and step >= self.steps[1]:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
 
 
 def _start(trainer, dataset, checkpointer, workdir, lead, log):
@@ -174,6 +206,7 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log):
             config_path.write_text(config.to_json_best_effort(indent=2))
     log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {config.model.name} "
         f"{trainer.num_params / 1e6:.2f}M params; {dataset.describe()}")
+    log(f"throughput: {throughput(trainer.plan, trainer.mesh).describe()}")
     if start is None:
         state = trainer.init_state()
     else:
@@ -205,24 +238,30 @@ def _truncate_metrics(path, step: int) -> None:
         tmp.replace(path)
 
 
-def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested) -> TrainResult:
+def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested, tensorboard=None,
+          profiler=None) -> TrainResult:
     t = trainer.config.train
+    speed = throughput(trainer.plan, trainer.mesh)
     history, eval_loss, preempted = [], None, False
     step = first_step = int(state["step"])
     rows = trainer.host_rows()
     run_start = last = time.perf_counter()
     batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
     while step < t.steps:
+        if profiler is not None:
+            profiler.before(step + 1)
         state, metrics = trainer.train_step(state, batch)  # dispatched asynchronously
         step += 1
         batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
         metrics = jax.device_get(metrics)  # the next batch was built while the device ran this step
+        if profiler is not None:
+            profiler.after(step)
         now = time.perf_counter()
         dt, last = now - last, now
         _check_finite(step, metrics, t.nan_policy, log)
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                  "lr": float(metrics["lr"]), "tokens_per_sec": t.global_batch_size * t.seq_len / dt,
-                  "step_time_s": dt, "epoch": round(dataset.epoch(step), 6)}
+                  "lr": float(metrics["lr"]), **speed.metrics(dt), "step_time_s": dt,
+                  "epoch": round(dataset.epoch(step), 6)}
         record.update({k: float(v) for k, v in metrics.get("model", {}).items()})  # e.g. MoE router statistics
         if step == first_step + 1:
             record["includes_compile"] = True
@@ -234,6 +273,8 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
             if metrics_path is not None:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
+            if tensorboard is not None:
+                tensorboard.write(record)
             eta = (time.perf_counter() - run_start) / (step - first_step) * (t.steps - step)
             log(_progress_line(record, t.steps, eta))
         signalled = _stop_requested(stop_requested())
@@ -268,6 +309,8 @@ def _progress_line(record, steps, eta) -> str:
     line = (f"{bar} step {step}/{steps} loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
             f"lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s {record['step_time_s']:.3f} s/step "
             f"eta {eta:.0f}s")
+    if "mfu" in record:
+        line += f" mfu {100 * record['mfu']:.1f}%"
     if "eval_loss" in record:
         line += f" eval_loss {record['eval_loss']:.4f}"
     for key in _PROGRESS_MODEL_METRICS:

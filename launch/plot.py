@@ -1,0 +1,58 @@
+"""Draws a run's curves from its metrics.jsonl: train loss, eval loss, tokens/s per device (and MFU).
+
+    python launch/plot.py --workdir=runs/quickstart [--compare=runs/other --compare=runs/third] [--out=FILE.png]
+
+The PNG goes to WORKDIR/metrics.png unless --out names a file. A workdir without a metrics.jsonl, or with
+no logged step, prints one line on stderr and exits with status 2.
+"""
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout as well
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "the run to plot (a train.py --workdir)")
+flags.DEFINE_multi_string("compare", [], "more runs to draw on the same axes (repeat the flag, or comma-separate)")
+flags.DEFINE_string("out", "", "the PNG to write (default WORKDIR/metrics.png)")
+
+
+def _fail(message: str):
+    print(f"plot: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv):
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e))
+    if len(rest) > 1:
+        _fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
+    return rest
+
+
+def main(argv):
+    del argv
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    from parallax.plots import MetricsError, plot_runs
+
+    if not FLAGS.workdir:
+        _fail("--workdir is required, e.g. --workdir=runs/quickstart")
+    workdirs = [FLAGS.workdir] + [d for arg in FLAGS.compare for d in arg.split(",") if d]
+    out = FLAGS.out or os.path.join(FLAGS.workdir, "metrics.png")
+    if FLAGS.out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        _fail(f"--out={out}: its directory does not exist; create it or write elsewhere")
+    try:
+        plot_runs(workdirs, out)
+    except MetricsError as e:
+        _fail(str(e))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)
