@@ -18,7 +18,7 @@ train: $(STAMP)
 	$(PY) launch/sample.py --workdir=$(WORKDIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # Mutation testing (mutmut; not part of CI): the modules and tests named in pyproject.toml [tool.mutmut].
 mutation: $(STAMP)
