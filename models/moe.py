@@ -63,7 +63,7 @@ MOE_DEFAULTS = dict(
     router="softmax",  # softmax (Mixtral) | sigmoid (DeepSeek-V3)
     router_scale=1.0,  # gates are multiplied by this (DeepSeek-V3: 2.5)
     norm_topk=True,  # renormalise the k gates to sum to 1
-    dispatch="capacity",  # capacity (all-to-all, fixed slots) | ragged (dropless grouped matmul, 1 expert rank)
+    dispatch="capacity",  # capacity (all-to-all, fixed slots) | ragged (dropless grouped matmul; ragged_all_to_all)
     capacity_factor=2.0,  # slots per expert and row = ceil(factor * T * k / E); 0: T slots (drops nothing)
     dispatch_chunks=1,  # capacity dispatch in this many row groups, so all-to-alls overlap expert matmuls
     balance_weight=0.01,  # Switch load-balancing loss weight
@@ -162,6 +162,8 @@ class MoEBlocks(llama.Blocks):
             def grouped(xs, sizes):  # (M, D) sorted by expert, sizes (E,)
                 act = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
                 return jax.lax.ragged_dot(act, wd, sizes)
+            if par.expert > 1:
+                return ep_lib.moe_ragged_ep(h, idx, gates, moe.num_experts, grouped, par.expert)
             return ep_lib.moe_ragged(h, idx, gates, moe.num_experts, grouped)
 
         def experts(xe):  # (E/ep, G, C, D)
@@ -241,11 +243,9 @@ class MoE(Model):
                                   f"{rows} rows per rank and microbatch (global_batch_size="
                                   f"{config.train.global_batch_size} / {mbs} microbatches / {batch_ranks} batch "
                                   f"ranks); use a divisor of {rows}")
-        if moe.dispatch == "ragged" and ep > 1:
-            backend = jax.default_backend()
-            why = ("jax.lax.ragged_all_to_all is not implemented on XLA:CPU" if backend == "cpu" else
-                   "ragged dispatch between expert ranks (ragged_all_to_all) is not implemented in parallax yet")
-            raise ConfigError(f"config.model.moe.dispatch='ragged' with mesh.expert={ep} on {backend}: {why}; use "
+        if moe.dispatch == "ragged" and ep > 1 and jax.default_backend() == "cpu":
+            raise ConfigError(f"config.model.moe.dispatch='ragged' with mesh.expert={ep} on cpu: "
+                              f"jax.lax.ragged_all_to_all is not implemented on XLA:CPU; use "
                               f"moe.dispatch='capacity' with moe.capacity_factor=0 (dropless: capacity = all tokens "
                               f"of a row), or mesh.expert=1")
         llama.Llama.check_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": tp}), sizes, config)  # heads, dims

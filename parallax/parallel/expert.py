@@ -30,9 +30,17 @@ on GPU / TPU; COMET / FUSCO overlap). Capacity is per row, so the chunks compute
 does (any backend); each all-to-all carries 1/chunks of the bytes, 2 * chunks of them each way.
 
 **Ragged path** (`moe_ragged`, dropless, one expert rank): assignments sorted by expert and run through
-`jax.lax.ragged_dot` (one grouped matmul per projection, groups = experts). Between expert ranks it would
-need `jax.lax.ragged_all_to_all`, which XLA:CPU does not implement; the model's config check rejects
-it (use the capacity path with capacity_factor 0 there).
+`jax.lax.ragged_dot` (one grouped matmul per projection, groups = experts).
+
+**Ragged across expert ranks** (`moe_ragged_ep`, dropless): the sorted assignments are already grouped by
+destination rank, so one `jax.lax.ragged_all_to_all` sends each rank exactly its experts' rows (no
+padding on the wire); a [ep, ep] all-gather of the per-rank counts gives every offset. The receiver's rows
+come sender-major; a local sort makes them expert-major for `ragged_dot`, and the inverse path returns
+the outputs. The receive buffer is static: ep * B*T*k rows (every assignment of every rank could choose
+this rank's experts). XLA:CPU does not implement `ragged_all_to_all`, so the model's config check rejects
+it there (use the capacity path with capacity_factor 0); the tests run this function on CPU with
+`ragged_all_to_all_by_all_to_all`, an exact emulation of the primitive's semantics (padded all-to-alls),
+and compile it with the real primitive for a TPU slice.
 """
 from __future__ import annotations
 
@@ -112,6 +120,56 @@ def moe_capacity(h, expert_idx, gates, num_experts: int, cap: int, experts_fn, e
     n = b // chunks
     parts = [one(h[i * n:(i + 1) * n], slot[i * n:(i + 1) * n], gates[i * n:(i + 1) * n]) for i in range(chunks)]
     return jnp.concatenate(parts, axis=0), keep, load
+
+
+def ragged_all_to_all_by_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                    axis_name):
+    """`jax.lax.ragged_all_to_all`'s semantics with dense all-to-alls (every slice padded to the operand's
+    length): for tests on backends without the primitive (XLA:CPU), never a silent fallback."""
+    n, rest = operand.shape[0], operand.shape[1:]
+    r = jnp.arange(n)
+    valid = r[None, :] < send_sizes[:, None]  # [ep, n]
+    chunks = operand[jnp.clip(input_offsets[:, None] + r[None, :], 0, n - 1)]  # [ep, n, ...]
+    chunks = jnp.where(valid.reshape(*valid.shape, *(1,) * len(rest)), chunks, 0)
+    got = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [ep senders, n, ...]
+    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # sender i's rows start here
+    pos = jnp.where(r[None, :] < recv_sizes[:, None], where[:, None] + r[None, :], output.shape[0])
+    return output.at[pos.reshape(-1)].set(got.reshape(-1, *rest), mode="drop")
+
+
+def moe_ragged_ep(h, expert_idx, gates, num_experts: int, grouped_fn, ep: int,
+                  exchange=jax.lax.ragged_all_to_all):
+    """The routed experts' output [B, T, D], dropless, across `ep` expert ranks (inside the manual region):
+    `grouped_fn(xs [M, D], group_sizes [E/ep]) -> [M, D]` runs this rank's experts on rows grouped by
+    local expert (rows past the groups' total are padding). Returns (output, keep (all True), load [B, E])."""
+    b, t, k = expert_idx.shape
+    d, n, el = h.shape[-1], b * t * k, num_experts // ep
+    flat = expert_idx.reshape(n)
+    order = jnp.argsort(flat, stable=True)  # grouped by expert, hence by destination rank
+    xs = h.reshape(b * t, d)[order // k]  # (N, D)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # (E,)
+    send = jnp.sum(sizes.reshape(ep, el), axis=1)  # (ep,) rows to each rank
+    table = jax.lax.all_gather(send, AXIS)  # (ep senders, ep receivers)
+    me = jax.lax.axis_index(AXIS)
+    before = jnp.cumsum(table, axis=0) - table  # rows of the senders before i, per receiver
+    starts = jnp.cumsum(table, axis=1) - table  # where each sender's slice for receiver j starts
+    recv = table[:, me]  # (ep,) rows from each sender
+    m = ep * n
+    buf = exchange(xs, jnp.zeros((m, d), xs.dtype), starts[me], send, before[me], recv, axis_name=AXIS)
+    # Received rows: sender-major, each sender's by this rank's experts in order. Make them expert-major.
+    counts = jax.lax.all_to_all(sizes.reshape(ep, el), AXIS, 0, 0, tiled=True)  # (ep senders, E/ep)
+    rows, total = jnp.arange(m), jnp.sum(recv)
+    local = jnp.repeat(jnp.tile(jnp.arange(el), ep), counts.reshape(-1), total_repeat_length=m)
+    local = jnp.where(rows < total, local, el)  # padding rows sort last
+    perm = jnp.argsort(local, stable=True)
+    ys = grouped_fn(buf[perm], jnp.sum(counts, axis=0).astype(jnp.int32))[jnp.argsort(perm)]
+    ys = jnp.where((rows < total)[:, None], ys, 0)
+    # Back: the rows from sender i (at `before`-cumulative offsets here) return to where they came from.
+    back = exchange(ys, jnp.zeros((n, d), ys.dtype), jnp.cumsum(recv) - recv, recv, starts[:, me], send,
+                    axis_name=AXIS)
+    ys = back[jnp.argsort(order)].reshape(b, t, k, d)
+    load = jnp.sum(jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.int32), axis=(1, 2))
+    return jnp.einsum("btkd,btk->btd", ys, gates.astype(ys.dtype)), jnp.ones(expert_idx.shape, bool), load
 
 
 def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn):
