@@ -140,13 +140,20 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
                                          async_save=t.async_checkpoint)
     stop = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    close = True
     try:
         state = _start(trainer, dataset, checkpointer, workdir, lead, log)
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
                      lambda: stop["signal"] is not None)
+    except BaseException:
+        # With several processes, an error is most often a lost peer: closing would wait on a save whose
+        # commit needs every process. The last complete checkpoint is on disk either way.
+        close = jax.process_count() == 1
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        checkpointer.close()
+        if close:
+            checkpointer.close()
 
 
 def _start(trainer, dataset, checkpointer, workdir, lead, log):
