@@ -47,8 +47,14 @@ def cli_main(run, needs_config: bool):
         elif overrides:
             _config_exit(ConfigError("--config.* overrides are not used by this command"))
         try:
-            _initialize_distributed(config)  # after the config (it may name the coordinator), before any device use
-            run(config, flags.FLAGS)
+            # After the config (it may name the coordinator), before anything touches the devices.
+            _initialize_distributed(config, flags.FLAGS.workdir)
+            try:
+                run(config, flags.FLAGS)
+            except SystemExit:  # a deliberate stop (e.g. 143 after saving on SIGTERM): not a lost process
+                _mark_done()
+                raise
+            _mark_done()
         except ConfigError as e:
             _config_exit(e)
         except Exception as e:  # noqa: BLE001 -- a lost peer surfaces as whatever the runtime raised
@@ -62,7 +68,13 @@ def _config_exit(error):
     sys.exit(2)
 
 
-def _initialize_distributed(config):
+def _mark_done():
+    from parallax import distributed
+
+    distributed.mark_done()
+
+
+def _initialize_distributed(config, workdir):
     """Joins a multi-process run when the flags, `config.dist` or the environment say so (parallax/distributed.py)."""
     import ml_collections
 
@@ -77,7 +89,9 @@ def _initialize_distributed(config):
             dist[key] = value
     if config is not None and "dist" in config:
         config.dist.update(dict(dist))  # what ran is what config.json records
-    distributed.initialize(dist)
+    distributed.initialize(dist, on_lost=lambda process: _peer_exit(
+        RuntimeError(f"no heartbeat for config.dist.heartbeat_timeout_s={dist.heartbeat_timeout_s} s"), workdir,
+        lost=process))
 
 
 def _default_dist():
@@ -86,7 +100,7 @@ def _default_dist():
     return dict(default_config("llama").dist)
 
 
-def _peer_exit(error, workdir):
+def _peer_exit(error, workdir, lost=None):
     """In a multi-process run, an error of JAX's runtime (a collective or the coordination service failing) means
     a lost peer: one line naming it and the checkpoint a rerun resumes from, exit 3. Anything else, and any
     error of a single-process run, is re-raised as it was."""
@@ -97,10 +111,10 @@ def _peer_exit(error, workdir):
     from parallax import distributed
 
     runtime_error = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
-    if not isinstance(error, runtime_error) or jax.process_count() == 1:
+    if lost is None and (not isinstance(error, runtime_error) or jax.process_count() == 1):
         raise error
     ckpts = os.path.join(workdir or "", "checkpoints")
     steps = [int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if n.isdigit()]
-    print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), max(steps, default=None)),
-          file=sys.stderr, flush=True)
+    print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), max(steps, default=None),
+                                     lost=lost), file=sys.stderr, flush=True)
     os._exit(3)  # not sys.exit: JAX's shutdown would wait for the lost peer

@@ -68,9 +68,13 @@ def initialize_kwargs(dist, env=None) -> dict | None:
     return None
 
 
-def initialize(dist, env=None) -> bool:
+def initialize(dist, env=None, on_lost=None) -> bool:
     """Calls `jax.distributed.initialize` when `config.dist` or the environment says this is one process of
-    several (see the module doc); must run before anything touches the devices. Returns whether it did."""
+    several (see the module doc); must run before anything touches the devices. Returns whether it did.
+
+    With `on_lost(process_id)`, a watchdog thread calls it when a peer has been silent for
+    `dist.heartbeat_timeout_s` (see `_Watchdog`); JAX's own heartbeat, which aborts the process with a page of
+    C++ log, is then set to twice that, as a backstop."""
     kwargs = initialize_kwargs(dist, env)
     if kwargs is None:
         return False
@@ -78,18 +82,97 @@ def initialize(dist, env=None) -> bool:
 
     if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process CPU collectives
+    timeout = kwargs["heartbeat_timeout_seconds"]
+    if on_lost is not None:
+        kwargs["heartbeat_timeout_seconds"] = 2 * timeout + 5
     jax.distributed.initialize(**kwargs)
+    if on_lost is not None and jax.process_count() > 1:
+        _Watchdog.start(timeout, on_lost)
     return True
+
+
+def mark_done() -> None:
+    """Tells the other processes' watchdogs that this one stopped on purpose (finished, or saved on SIGTERM)."""
+    if _Watchdog.instance is not None:
+        _Watchdog.instance.done()
+
+
+class _Watchdog:
+    """Each process bumps a counter in JAX's key-value store (held by the coordinator, process 0) every
+    `timeout / 5` seconds and watches the others' counters with its own clock (no clock skew between hosts).
+    A peer whose counter has not moved for `timeout` seconds, or the coordinator when the store cannot be
+    reached for that long, is reported once through `on_lost(process_id)`. A peer that said `done` is not."""
+
+    instance = None
+
+    def __init__(self, timeout, on_lost):
+        from jax._src import distributed as jax_distributed  # the runtime client: no public handle to it
+
+        state = jax_distributed.global_state
+        self.client, self.me, self.n = state.client, state.process_id, state.num_processes
+        self.timeout, self.on_lost = float(timeout), on_lost
+
+    @classmethod
+    def start(cls, timeout, on_lost):
+        import threading
+
+        try:
+            cls.instance = cls(timeout, on_lost)
+        except (ImportError, AttributeError):  # another JAX: its own heartbeat still fails the process
+            return
+        threading.Thread(target=cls.instance._run, name="parallax-watchdog", daemon=True).start()
+
+    def done(self):
+        try:
+            self.client.key_value_set(f"parallax/done/{self.me}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 -- the coordinator is gone: nobody is left to tell
+            pass
+
+    def _run(self):
+        import time
+
+        now = time.monotonic()
+        seen = {p: (None, now) for p in range(self.n) if p != self.me}  # peer -> (counter, when it last moved)
+        beat = 0
+        while True:
+            beat += 1
+            now = time.monotonic()
+            try:
+                self.client.key_value_set(f"parallax/beat/{self.me}", str(beat), allow_overwrite=True)
+                for p in list(seen):
+                    if _try_get(self.client, f"parallax/done/{p}"):
+                        del seen[p]
+                        continue
+                    value = _try_get(self.client, f"parallax/beat/{p}")
+                    if value != seen[p][0]:
+                        seen[p] = (value, now)
+            except Exception:  # noqa: BLE001 -- the store (the coordinator) unreachable: nothing moves
+                pass
+            lost = [p for p, (_, moved) in seen.items() if now - moved > self.timeout]
+            if lost:
+                self.on_lost(min(lost))
+                return
+            time.sleep(max(self.timeout / 5, 0.05))
+
+
+def _try_get(client, key):
+    try:
+        return client.key_value_try_get(key)
+    except Exception as e:  # noqa: BLE001 -- NOT_FOUND (not written yet) is an exception too
+        if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+            return None
+        raise
 
 
 _TASK = re.compile(r"/task:(\d+)")
 
 
-def lost_peer_line(error: BaseException | str, process_id: int, num_processes: int, last_step=None) -> str:
+def lost_peer_line(error: BaseException | str, process_id: int, num_processes: int, last_step=None,
+                   lost: int | None = None) -> str:
     """One line for a failure of the distributed runtime (a peer died or stopped heartbeating): which
-    process was lost, when the error names one, and how to continue."""
+    process was lost (`lost`, or the one the error names), and how to continue."""
     text = str(error)
-    others = sorted({int(t) for t in _TASK.findall(text)} - {process_id})
+    others = [lost] if lost is not None else sorted({int(t) for t in _TASK.findall(text)} - {process_id})
     if not others and num_processes == 2:  # e.g. gloo's "Connection reset by peer" names no process
         others = [1 - process_id]
     who = (f"process {', '.join(map(str, others))}" if others else "a peer process")

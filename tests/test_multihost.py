@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import ml_collections
@@ -152,3 +153,53 @@ def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(tmp_
     config.optim.decay_steps = 100
     single = train_and_evaluate(config, str(tmp_path / "one"), log=lambda *_: None)
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in single.history], rtol=1e-5)
+
+
+class _FakeStore:
+    """JAX's key-value store as the watchdog sees it: NOT_FOUND for a key never written; `down` when the
+    coordinator holding it is gone."""
+
+    def __init__(self):
+        self.kv, self.down = {}, False
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+        self.kv[key] = value
+
+    def key_value_try_get(self, key):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+        if key not in self.kv:
+            raise RuntimeError(f"NOT_FOUND: Config key {key} not found")
+        return self.kv[key]
+
+
+def _watch(store, me, n, timeout=0.5):
+    lost = []
+    dog = object.__new__(distributed._Watchdog)
+    dog.client, dog.me, dog.n, dog.timeout, dog.on_lost = store, me, n, timeout, lost.append
+    thread = threading.Thread(target=dog._run, daemon=True)
+    thread.start()
+    return dog, lost, thread
+
+
+def test_watchdog_reports_a_silent_peer_once_and_not_one_that_finished():
+    store = _FakeStore()
+    peer, _, _ = _watch(store, 1, 3)
+    done, _, _ = _watch(store, 2, 3)
+    done.done()  # process 2 finished on purpose
+    dog, lost, thread = _watch(store, 0, 3)
+    time.sleep(1.5)
+    assert not lost and thread.is_alive(), "a beating peer and a finished one are not lost"
+    peer.client = _FakeStore()  # process 1 stops beating into our store
+    thread.join(timeout=5)
+    assert lost == [1] and not thread.is_alive()
+    # The coordinator gone: the store is unreachable, nothing moves, process 0 is reported.
+    store = _FakeStore()
+    _watch(store, 0, 2)
+    dog, lost, thread = _watch(store, 1, 2)
+    time.sleep(0.3)
+    store.down = True
+    thread.join(timeout=5)
+    assert lost == [0]
