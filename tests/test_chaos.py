@@ -27,7 +27,7 @@ from parallax.train import train_and_evaluate
 from parallax.trainer import Trainer
 
 PROGRESS = re.compile(r"\] +\d+% step \d+/")  # a progress line: a step has run (not "resumed from ... step N")
-STEPS, KILLS, SEED = 40, 5, 1234
+STEPS, KILLS, SEED = 60, 5, 1234  # 5 kills x at most ~8 steps each (0.1 s/step) stay short of STEPS
 DEVICES = 2
 OVERRIDES = {"mesh.data": 1, "mesh.fsdp": DEVICES, "train.steps": STEPS, "train.log_every": 1,
              "train.checkpoint_every": 1, "train.keep_checkpoints": 2, "train.async_checkpoint": True,
@@ -90,7 +90,7 @@ def test_random_sigkills_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     rng = random.Random(SEED)
     kills, mid_save = 0, 0
     for _ in range(KILLS):
-        delay = rng.uniform(0.0, 1.0)
+        delay = rng.uniform(0.0, 0.8)
         killed, temps = _run_and_kill(workdir, delay)
         kills += killed
         print(f"kill {kills} after {delay:.2f} s: left {temps or 'no temp dir'}; last logged step "
@@ -103,7 +103,9 @@ def test_random_sigkills_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
 
     devices = jax.devices()[:DEVICES]
     straight = str(tmp_path / "straight")
-    reference = train_and_evaluate(_config(), straight, devices=devices, log=lambda *_: None)
+    config = _config()
+    config.train.checkpoint_every = 0  # saves do not change the math; the last step is saved regardless
+    reference = train_and_evaluate(config, straight, devices=devices, log=lambda *_: None)
 
     got, want = _records(workdir), _records(straight)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
