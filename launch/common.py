@@ -20,9 +20,10 @@ def cli_main(run, needs_config):
     flags.DEFINE_string("config", None, "Path to a config file with get_config().")
     flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl and config.json.")
     flags.DEFINE_integer("cpu_devices", 0, "Simulate this many CPU devices (before jax starts).")
-    flags.DEFINE_string("coordinator", None, "host:port of process 0, for a multi-process (multi-host) run.")
-    flags.DEFINE_integer("num_processes", 1, "Processes in a multi-process run.")
-    flags.DEFINE_integer("process_id", 0, "This process's id in a multi-process run.")
+    flags.DEFINE_string("coordinator", None, "host:port of process 0, for a multi-process (multi-host) run; "
+                        "short for --config.dist.coordinator.")
+    flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run (--config.dist.num_processes).")
+    flags.DEFINE_integer("process_id", None, "This process's id in a multi-process run (--config.dist.process_id).")
     extra_flags = getattr(run, "define_flags", None)
     if extra_flags:
         extra_flags()
@@ -35,10 +36,6 @@ def cli_main(run, needs_config):
 
         if flags.FLAGS.cpu_devices:
             simulate_cpu_devices(flags.FLAGS.cpu_devices)
-        if flags.FLAGS.coordinator:
-            from parallax.mesh import initialize_distributed
-
-            initialize_distributed(flags.FLAGS.coordinator, flags.FLAGS.num_processes, flags.FLAGS.process_id)
         if not flags.FLAGS.workdir:
             _config_exit(ConfigError("--workdir is required, e.g. --workdir=/tmp/run1"))
         config = None
@@ -55,9 +52,18 @@ def cli_main(run, needs_config):
         elif overrides:
             _config_exit(ConfigError("--config.* overrides are not used by this command"))
         try:
-            run(config, flags.FLAGS)
+            # After the config (it may name the coordinator), before anything touches the devices.
+            _initialize_distributed(config, flags.FLAGS.workdir)
+            try:
+                run(config, flags.FLAGS)
+            except SystemExit:  # a deliberate stop (e.g. 143 after saving on SIGTERM): not a lost process
+                _mark_done()
+                raise
+            _mark_done()
         except ConfigError as e:
             _config_exit(e)
+        except Exception as e:  # noqa: BLE001 -- a lost peer surfaces as whatever the runtime raised
+            _peer_exit(e, flags.FLAGS.workdir)
 
     app.run(main, argv=argv)
 
@@ -65,3 +71,55 @@ def cli_main(run, needs_config):
 def _config_exit(error):
     print(f"config error: {error}", file=sys.stderr)
     sys.exit(2)
+
+
+def _mark_done():
+    from parallax import distributed
+
+    distributed.mark_done()
+
+
+def _initialize_distributed(config, workdir):
+    """Joins a multi-process run when the flags, `config.dist` or the environment say so (parallax/distributed.py)."""
+    import ml_collections
+
+    from parallax import distributed
+
+    dist = ml_collections.ConfigDict(dict(config.dist) if config is not None and "dist" in config
+                                     else _default_dist())
+    f = flags.FLAGS
+    for key, value in (("coordinator", f.coordinator), ("num_processes", f.num_processes),
+                       ("process_id", f.process_id)):
+        if value is not None:
+            dist[key] = value
+    if config is not None and "dist" in config:
+        config.dist.update(dict(dist))  # what ran is what config.json records
+    distributed.initialize(dist, on_lost=lambda process: _peer_exit(
+        RuntimeError(f"no heartbeat for config.dist.heartbeat_timeout_s={dist.heartbeat_timeout_s} s"), workdir,
+        lost=process))
+
+
+def _default_dist():
+    from parallax.defaults import default_config
+
+    return dict(default_config("llama").dist)
+
+
+def _peer_exit(error, workdir, lost=None):
+    """In a multi-process run, an error of JAX's runtime (a collective or the coordination service failing) means
+    a lost peer: one line naming it and the checkpoint a rerun resumes from, exit 3. Anything else, and any
+    error of a single-process run, is re-raised as it was."""
+    import os
+
+    import jax
+
+    from parallax import distributed
+
+    runtime_error = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
+    if lost is None and (not isinstance(error, runtime_error) or jax.process_count() == 1):
+        raise error
+    ckpts = os.path.join(workdir or "", "checkpoints")
+    steps = [int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if n.isdigit()]
+    print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), max(steps, default=None),
+                                     lost=lost), file=sys.stderr, flush=True)
+    os._exit(3)  # not sys.exit: JAX's shutdown would wait for the lost peer

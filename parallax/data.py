@@ -177,6 +177,9 @@ def _token_index(path, tokens, eos_id):
     try:
         fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=os.path.basename(index_path) + ".",
                                    dir=os.path.dirname(os.path.abspath(path)))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide the index from the other users of a corpus
         with os.fdopen(fd, "wb") as f:
             np.savez(f, key=key, lowest=lowest, highest=highest, ends=ends)
         os.replace(tmp, index_path)  # atomic: a concurrent reader sees the old index or the whole new one

@@ -30,6 +30,11 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     c.pipeline = ml_collections.ConfigDict(dict(schedule="1f1b", microbatches=4, virtual_stages=1, remat=False))
     c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1,
                                              sampler="random"))
+    # Multi-process runs (parallax/distributed.py): an explicit coordinator (HOST:PORT of process 0, with
+    # num_processes and this process's process_id), else detect=auto finds Slurm / multi-host TPU jobs (jax:
+    # always ask JAX's cluster detection; off: never). A peer silent for heartbeat_timeout_s fails the others.
+    c.dist = ml_collections.ConfigDict(dict(coordinator="", num_processes=0, process_id=-1, detect="auto",
+                                             heartbeat_timeout_s=100, init_timeout_s=300))
     c.sharding = ml_collections.ConfigDict()
     c.sharding.rules = ml_collections.ConfigDict(make_rules(extra=model_class(model).rules))
     return c.lock()

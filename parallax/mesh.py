@@ -26,20 +26,6 @@ def simulate_cpu_devices(n: int) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def initialize_distributed(coordinator: str, num_processes: int, process_id: int,
-                           heartbeat_timeout_s: int = 100) -> None:
-    """Joins a multi-process (multi-host) run through JAX's coordinator at `coordinator` (host:port).
-
-    Every process calls it with the same coordinator and process count and its own id, before anything
-    else touches the devices. On CPU the processes exchange collectives with gloo. A dead peer aborts the
-    others after `heartbeat_timeout_s`.
-    """
-    if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s)
-
-
 def resolve_axis_sizes(mesh_config, num_devices: int) -> dict[str, int]:
     """Returns {axis: size} with -1 inferred; raises ConfigError naming the fix on a mismatch."""
     sizes = {axis: int(mesh_config.get(axis, 1)) for axis in AXES}

@@ -145,18 +145,25 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
     stop = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     tensorboard, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
+    close = True
     try:
         state = _start(trainer, dataset, checkpointer, workdir, lead, log)
         if lead:
             tensorboard = TensorBoardWriter(workdir / "tb", int(state["step"]))
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
                      lambda: stop["signal"] is not None, tensorboard, profiler)
+    except BaseException:
+        # With several processes, an error is most often a lost peer: closing would wait on a save whose
+        # commit needs every process. The last complete checkpoint is on disk either way.
+        close = jax.process_count() == 1
+        raise
     finally:
         profiler.stop()
         if tensorboard is not None:
             tensorboard.close()  # flushes what was logged, also when the run failed
         signal.signal(signal.SIGTERM, previous)
-        checkpointer.close()
+        if close:
+            checkpointer.close()
 
 
 class _Profiler:

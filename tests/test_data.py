@@ -297,6 +297,10 @@ def test_token_index_is_cached_beside_the_file_and_rebuilt_when_it_changes(tmp_p
 
     first = load()
     assert first == [0, 30] and len(calls) == 1 and os.path.exists(path + ".index.npz")
+    mode = os.stat(path + ".index.npz").st_mode & 0o777  # as readable as a file the user writes (umask)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask, oct(mode)
     assert load() == first and len(calls) == 1, "the second start reads the index, it does not rescan"
     assert load(eos_id=5) == [0, 5, 31] and len(calls) == 2, "another eos id is another index"
     np.append(np.arange(1, 40), 0).astype(np.uint16).tofile(path)  # the file changed: size and mtime
