@@ -123,3 +123,22 @@ def _peer_exit(error, workdir, lost=None):
     print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), max(steps, default=None),
                                      lost=lost), file=sys.stderr, flush=True)
     os._exit(3)  # not sys.exit: JAX's shutdown would wait for the lost peer
+
+
+def plain_cli(program: str):
+    """(fail, parse_flags) for a launcher without a config: `fail(message)` prints `program: message` on
+    stderr and exits 2; `parse_flags` is absl's flags parser that fails the same way on a bad flag or a
+    stray argument (pass it to `app.run(main, flags_parser=...)`)."""
+    def fail(message: str):
+        print(f"{program}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    def parse_flags(argv):
+        try:
+            rest = flags.FLAGS(argv)
+        except flags.Error as e:
+            fail(str(e))
+        if len(rest) > 1:
+            fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
+        return rest
+    return fail, parse_flags

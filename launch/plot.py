@@ -13,25 +13,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 
 from absl import app, flags  # noqa: E402
 
+from launch.common import plain_cli  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "the run to plot (a train.py --workdir)")
 flags.DEFINE_multi_string("compare", [], "more runs to draw on the same axes (repeat the flag, or comma-separate)")
 flags.DEFINE_string("out", "", "the PNG to write (default WORKDIR/metrics.png)")
 
 
-def _fail(message: str):
-    print(f"plot: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _parse_flags(argv):
-    try:
-        rest = FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e))
-    if len(rest) > 1:
-        _fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
-    return rest
+_fail, _parse_flags = plain_cli("plot")
 
 
 def main(argv):

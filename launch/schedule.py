@@ -12,6 +12,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 
 from absl import app, flags  # noqa: E402
 
+from launch.common import plain_cli  # noqa: E402
+
 from parallax.pipeline.render import render_png, render_summary  # noqa: E402
 from parallax.pipeline.schedule import SCHEDULES, make_schedule  # noqa: E402
 from parallax.pipeline.simulate import parse_costs  # noqa: E402
@@ -25,19 +27,7 @@ flags.DEFINE_string("costs", "", "action costs, e.g. F=1,B=1,W=1 (BW defaults to
 flags.DEFINE_string("png", "", "also write the lockstep timeline to this PNG file")
 
 
-def _fail(message: str):
-    print(f"schedule: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _parse_flags(argv):
-    try:
-        rest = FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e))
-    if len(rest) > 1:
-        _fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
-    return rest
+_fail, _parse_flags = plain_cli("schedule")
 
 
 def main(argv):
