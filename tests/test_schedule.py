@@ -66,8 +66,9 @@ def test_zb_h1_bubble_is_about_a_third_of_1f1b_at_1f1b_memory():
 
 def test_zbv_bubble_is_within_four_ticks_of_the_startup_bound():
     # Every rank runs 6m unit actions and rank p-1 cannot start before tick p-1: ticks >= 6m + p - 1.
-    for p in (2, 4, 6, 8):
-        for m in range(p, 4 * p + 1, p):
+    # Every m >= p, not only multiples of p: m = p + 1 is where a greedy order that puts F before B falls behind.
+    for p in (2, 3, 4, 6, 7, 8):
+        for m in range(p, 4 * p + 1):
             s = make_schedule("zbv", p, m)
             assert 6 * m + p - 1 <= s.num_ticks <= 6 * m + p + 3
     assert _async("zbv", 4, 8).bubble < 0.06
@@ -257,3 +258,89 @@ def test_cli_prints_summary_and_exits_2_on_bad_arguments():
                                 "--virtual=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "set microbatches=8" in bad.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("1f1b", 0, 8), "1f1b: need stages >= 1 and microbatches >= 1, got stages=0 microbatches=8"),
+    (("gpipe", 4, 0), "gpipe: need stages >= 1 and microbatches >= 1, got stages=4 microbatches=0"),
+    (("interleaved_1f1b", 4, 8, 1), "interleaved_1f1b needs virtual_stages >= 2, got 1; set virtual_stages=2"),
+    (("interleaved_1f1b", 4, 9, 2),
+     "interleaved_1f1b needs microbatches a multiple of stages=4, got 9; set microbatches=12"),
+    (("zbv", 4, 8, 3), "zbv always holds 2 chunks per rank, got virtual_stages=3; set it to 2"),
+    (("zb_h1", 4, 8, 2), "zb_h1 holds one chunk per rank, got virtual_stages=2; set it to 1 or use "
+                         "interleaved_1f1b"),
+    (("pipedream", 4, 8), "unknown schedule 'pipedream'; set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv"),
+])
+def test_make_schedule_error_messages_are_exact(args, message):
+    # These reach the user verbatim (the CLI and the trainer print them as the one-line error).
+    with pytest.raises(ScheduleError) as e:
+        make_schedule(*args)
+    assert str(e.value) == message
+
+
+def test_make_schedule_accepts_the_smallest_and_the_implied_sizes():
+    # p = 1 and m = 1 are legal; zbv takes virtual_stages 1 (the default) or 2 and always builds 2 chunks.
+    assert make_schedule("1f1b", 1, 1).num_ticks == 2
+    assert make_schedule("interleaved_1f1b", 2, 2, 2).num_chunks == 2
+    assert make_schedule("zbv", 2, 4, 1).stage_of.tolist() == make_schedule("zbv", 2, 4, 2).stage_of.tolist()
+
+
+def _rank_program(s, r):
+    """Rank r's actions in table order, as (kind, microbatch, local chunk)."""
+    return [(int(k), int(mb), int(c)) for k, mb, c, _ in s.table[:, r] if k != IDLE]
+
+
+def _one_f_one_b_order(fwd, bwd, warmup, bwd_kind=BW):
+    """`warmup` forwards, then one forward / one backward while forwards remain, then the cooldown."""
+    order = [(F, *a) for a in fwd[:warmup]]
+    for i, b in enumerate(bwd):
+        if warmup + i < len(fwd):
+            order.append((F, *fwd[warmup + i]))
+        order.append((bwd_kind, *b))
+    return order
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 5), (4, 4), (4, 8), (3, 2)])
+def test_1f1b_ranks_run_pipedream_flush_order(p, m):
+    # Rank r: p-r-1 warmup forwards, then F / BW pairs, then the cooldown backwards (at most p-r live).
+    s = make_schedule("1f1b", p, m)
+    for r in range(p):
+        mbs = [(mb, 0) for mb in range(m)]
+        assert _rank_program(s, r) == _one_f_one_b_order(mbs, mbs, min(p - r - 1, m)), r
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 2, 2), (2, 6, 3), (3, 9, 2), (4, 8, 2), (4, 16, 3)])
+def test_interleaved_ranks_run_megatrons_program(p, m, v):
+    # Megatron's order: microbatches in groups of p, each group through chunk 0..v-1 forward and
+    # v-1..0 backward; 2(p-r-1) + (v-1)p warmup forwards on rank r, then F / BW pairs, then the cooldown.
+    s = make_schedule("interleaved_1f1b", p, m, v)
+    seq = [(g * p + i, c) for g in range(m // p) for c in range(v) for i in range(p)]
+    fwd = seq
+    bwd = [(mb, v - 1 - c) for mb, c in seq]
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, m * v)
+        assert _rank_program(s, r) == _one_f_one_b_order(fwd, bwd, warmup), r
+
+
+@pytest.mark.parametrize("p, m", [(1, 2), (2, 5), (4, 4), (4, 8), (3, 2)])
+def test_zb_h1_ranks_run_b_w_f_rounds_with_w_lagging_by_rank(p, m):
+    # Rank r: p-r warmup forwards, then rounds (B_i, W_{i-r}, F_{i+warmup}), then the remaining W's.
+    s = make_schedule("zb_h1", p, m)
+    for r in range(p):
+        warmup = min(p - r, m)
+        order = [(F, mb, 0) for mb in range(warmup)]
+        for i in range(m):
+            order.append((B, i, 0))
+            if i - r >= 0:
+                order.append((W, i - r, 0))
+            if i + warmup < m:
+                order.append((F, i + warmup, 0))
+        order += [(W, mb, 0) for mb in range(max(m - r, 0), m)]
+        assert _rank_program(s, r) == order, r
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedule_carries_its_name_for_summaries_and_errors(name):
+    s = make_schedule(name, 2, 4, 2 if name == "interleaved_1f1b" else 1)
+    assert s.name == name
+    assert render_summary(s).splitlines()[-1].startswith(f"schedule={name} stages=2 microbatches=4 ")
