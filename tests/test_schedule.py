@@ -344,3 +344,73 @@ def test_schedule_carries_its_name_for_summaries_and_errors(name):
     s = make_schedule(name, 2, 4, 2 if name == "interleaved_1f1b" else 1)
     assert s.name == name
     assert render_summary(s).splitlines()[-1].startswith(f"schedule={name} stages=2 microbatches=4 ")
+
+
+# ---- simulator: the timing of every action, worked out by hand on 2-rank tables.
+
+NAN = float("nan")
+
+
+def test_async_starts_each_action_when_its_rank_is_free_and_its_inputs_have_finished():
+    # 1f1b(2, 2), F=1 B=2 W=1 so BW=3. Rank 1's F0 waits for rank 0's F0 (t=1); rank 0's BW0 waits for
+    # rank 1's BW0 (t=5), its BW1 for rank 1's BW1 (t=9).
+    sim = simulate(make_schedule("1f1b", 2, 2), parse_costs("F=1,B=2,W=1"), mode="async")
+    np.testing.assert_array_equal(sim.start, [[0, NAN], [1, 1], [NAN, 2], [5, 5], [NAN, 6], [9, NAN]])
+    assert (sim.total_time, sim.busy_time, sim.ticks) == (12, 16, 6)
+    assert sim.bubble == pytest.approx(1 - 16 / (2 * 12))
+
+
+def test_async_split_backward_b_waits_for_the_downstream_b():
+    # zb_h1(2, 2), F=1 B=2 W=3: rank 0's B0 starts when rank 1's B0 ends (t=4), its B1 when rank 0 is free
+    # (t=9, after W0) although rank 1's B1 ended at t=7.
+    sim = simulate(make_schedule("zb_h1", 2, 2), {"F": 1, "B": 2, "W": 3}, mode="async")
+    np.testing.assert_array_equal(sim.start, [[0, NAN], [1, 1], [NAN, 2], [4, 4], [6, 5], [9, 7], [11, 10]])
+    assert sim.total_time == 14 and list(sim.slots_per_rank) == [2, 2]
+
+
+def test_lockstep_ticks_start_together_and_last_as_long_as_the_slowest():
+    sim = simulate(make_schedule("1f1b", 2, 2), {"F": 1, "B": 2, "W": 1})
+    np.testing.assert_array_equal(sim.start, [[0, NAN], [1, 1], [NAN, 2], [5, 5], [NAN, 8], [11, NAN]])
+    assert (sim.mode, sim.total_time, sim.busy_time) == ("lockstep", 14, 16)
+
+
+def test_fused_backward_costs_b_plus_w_unless_given():
+    s = make_schedule("1f1b", 2, 2)
+    bw = s.table[..., 0] == BW
+    assert set(simulate(s, {"B": 2, "W": 3}).cost[bw]) == {5.0}
+    assert set(simulate(s, {"B": 2, "W": 3, "BW": 4}).cost[bw]) == {4.0}
+    assert set(simulate(s).cost[bw]) == {2.0} and set(simulate(s).cost[s.table[..., 0] == F]) == {1.0}
+    assert set(simulate(s).cost[s.table[..., 0] == IDLE]) == {0.0}
+
+
+def test_a_schedule_without_ticks_has_no_bubble():
+    s = make_schedule("1f1b", 2, 2)
+    empty = dataclasses.replace(s, table=s.table[:0])
+    for mode in ("lockstep", "async"):
+        sim = simulate(empty, mode=mode)
+        assert (sim.total_time, sim.bubble, sim.peak_slots) == (0, 0.0, 0)
+
+
+def test_parse_costs_reads_every_kind_and_rejects_bad_entries_by_name():
+    assert parse_costs("F=1, B=2.5,,W=0.5,BW=3") == {"F": 1.0, "B": 2.5, "W": 0.5, "BW": 3.0}
+    assert parse_costs("") == {}
+    for bad in ("X=2", "F", "F:1"):
+        with pytest.raises(ValueError) as e:
+            parse_costs(f"B=1,{bad}")
+        assert str(e.value) == f"bad cost {bad!r}; write KIND=VALUE with KIND in F, B, W, BW"
+    with pytest.raises(ValueError) as e:
+        simulate(make_schedule("1f1b", 2, 2), mode="sync")
+    assert str(e.value) == "mode must be 'lockstep' or 'async', got 'sync'"
+
+
+def test_bubble_table_rows_are_the_simulated_figures():
+    rows = bubble_table(p=2, ms=(2, 4))
+    for name, m, asyn, lock, peak, ticks in rows:
+        s = make_schedule(name, 2, m, 2 if name == "interleaved_1f1b" else 1)
+        assert asyn == simulate(s, mode="async").bubble and lock == simulate(s).bubble
+        assert (peak, ticks) == (simulate(s).peak_slots, s.num_ticks)
+    lines = format_bubble_table(rows).splitlines()
+    assert lines[:3] == ["| schedule | m | bubble (async) | bubble (lockstep) | peak slots | ticks |",
+                         "|---|---|---|---|---|---|", "| gpipe | 2 | 0.333 | 0.333 | 2 | 6 |"]
+    assert "| interleaved_1f1b | 2 | 0.200 | 0.250 | 4 | 10 |" in lines
+    assert lines[-1].startswith("Costs F = B = W = 1, BW = 2.") and lines[-2] == ""
