@@ -403,6 +403,12 @@ def test_parse_costs_reads_every_kind_and_rejects_bad_entries_by_name():
     assert str(e.value) == "mode must be 'lockstep' or 'async', got 'sync'"
 
 
+def test_readme_bubble_table_is_what_bubble_table_prints():
+    # The README's table of bubbles (p = 4, m = 4, 8, 16) is the default `bubble_table`, printed.
+    table = format_bubble_table(bubble_table()).split("\n\n")[0]
+    assert table in (REPO / "README.md").read_text()
+
+
 def test_bubble_table_rows_are_the_simulated_figures():
     rows = bubble_table(p=2, ms=(2, 4))
     for name, m, asyn, lock, peak, ticks in rows:
