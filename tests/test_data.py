@@ -310,9 +310,10 @@ def test_token_index_is_cached_beside_the_file_and_rebuilt_when_it_changes(tmp_p
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("batch_size", [4, 3])
-def test_epoch_sampler_visits_every_window_once_per_epoch(tmp_path, batch_size):
-    n, seq_len = 8 * 40 + 1, 8  # 40 windows of 9 tokens starting every 8
+@pytest.mark.parametrize("batch_size, tail", [(4, 0), (3, 0), (4, 6)])
+def test_epoch_sampler_visits_every_window_once_per_epoch(tmp_path, batch_size, tail):
+    # 40 windows of 9 tokens starting every 8; a tail too short for a 41st window is never read as one
+    n, seq_len = 8 * 40 + 1 + tail, 8
     path = tmp_path / "ramp.uint32.bin"
     np.append(np.arange(1, n), 0).astype(np.uint32).tofile(path)  # token i+1 at offset i: inputs name offsets
     kwargs = dict(seq_len=seq_len, global_batch_size=batch_size, seed=3, vocab_size=n + 1, eos_id=0,
@@ -325,3 +326,14 @@ def test_epoch_sampler_visits_every_window_once_per_epoch(tmp_path, batch_size):
     assert ds.epoch(40 // batch_size) == pytest.approx(40 // batch_size * batch_size / 40)
     again = data.make_dataset("tokens", str(path), **kwargs)  # a restart: step 6 alone gives step 6's batch
     np.testing.assert_array_equal(again.batch(6)["inputs"], ds.batch(6)["inputs"])
+
+
+def test_random_sampler_draws_every_window_start_from_the_first_to_the_last(tmp_path):
+    # A stream of seq_len + 3 tokens has exactly 3 windows of seq_len + 1 tokens: starts 0, 1 and 2.
+    seq_len = 8
+    path = tmp_path / "ramp.uint32.bin"
+    np.append(np.arange(1, seq_len + 3), 0).astype(np.uint32).tofile(path)  # token i+1 at offset i
+    ds = data.make_dataset("tokens", str(path), seq_len=seq_len, global_batch_size=16, seed=0,
+                           vocab_size=seq_len + 4, eos_id=0, eval_fraction=0.0)
+    starts = np.concatenate([ds.batch(step)["inputs"][:, 0] - 1 for step in range(4)])
+    assert set(starts.tolist()) == {0, 1, 2}

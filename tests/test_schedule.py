@@ -66,8 +66,9 @@ def test_zb_h1_bubble_is_about_a_third_of_1f1b_at_1f1b_memory():
 
 def test_zbv_bubble_is_within_four_ticks_of_the_startup_bound():
     # Every rank runs 6m unit actions and rank p-1 cannot start before tick p-1: ticks >= 6m + p - 1.
-    for p in (2, 4, 6, 8):
-        for m in range(p, 4 * p + 1, p):
+    # Every m >= p, not only multiples of p: m = p + 1 is where a greedy order that puts F before B falls behind.
+    for p in (2, 3, 4, 6, 7, 8):
+        for m in range(p, 4 * p + 1):
             s = make_schedule("zbv", p, m)
             assert 6 * m + p - 1 <= s.num_ticks <= 6 * m + p + 3
     assert _async("zbv", 4, 8).bubble < 0.06
@@ -257,3 +258,165 @@ def test_cli_prints_summary_and_exits_2_on_bad_arguments():
                                 "--virtual=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "set microbatches=8" in bad.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("1f1b", 0, 8), "1f1b: need stages >= 1 and microbatches >= 1, got stages=0 microbatches=8"),
+    (("gpipe", 4, 0), "gpipe: need stages >= 1 and microbatches >= 1, got stages=4 microbatches=0"),
+    (("interleaved_1f1b", 4, 8, 1), "interleaved_1f1b needs virtual_stages >= 2, got 1; set virtual_stages=2"),
+    (("interleaved_1f1b", 4, 9, 2),
+     "interleaved_1f1b needs microbatches a multiple of stages=4, got 9; set microbatches=12"),
+    (("zbv", 4, 8, 3), "zbv always holds 2 chunks per rank, got virtual_stages=3; set it to 2"),
+    (("zb_h1", 4, 8, 2), "zb_h1 holds one chunk per rank, got virtual_stages=2; set it to 1 or use "
+                         "interleaved_1f1b"),
+    (("pipedream", 4, 8), "unknown schedule 'pipedream'; set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv"),
+])
+def test_make_schedule_error_messages_are_exact(args, message):
+    # These reach the user verbatim (the CLI and the trainer print them as the one-line error).
+    with pytest.raises(ScheduleError) as e:
+        make_schedule(*args)
+    assert str(e.value) == message
+
+
+def test_make_schedule_accepts_the_smallest_and_the_implied_sizes():
+    # p = 1 and m = 1 are legal; zbv takes virtual_stages 1 (the default) or 2 and always builds 2 chunks.
+    assert make_schedule("1f1b", 1, 1).num_ticks == 2
+    assert make_schedule("interleaved_1f1b", 2, 2, 2).num_chunks == 2
+    assert make_schedule("zbv", 2, 4, 1).stage_of.tolist() == make_schedule("zbv", 2, 4, 2).stage_of.tolist()
+
+
+def _rank_program(s, r):
+    """Rank r's actions in table order, as (kind, microbatch, local chunk)."""
+    return [(int(k), int(mb), int(c)) for k, mb, c, _ in s.table[:, r] if k != IDLE]
+
+
+def _one_f_one_b_order(fwd, bwd, warmup, bwd_kind=BW):
+    """`warmup` forwards, then one forward / one backward while forwards remain, then the cooldown."""
+    order = [(F, *a) for a in fwd[:warmup]]
+    for i, b in enumerate(bwd):
+        if warmup + i < len(fwd):
+            order.append((F, *fwd[warmup + i]))
+        order.append((bwd_kind, *b))
+    return order
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 5), (4, 4), (4, 8), (3, 2)])
+def test_1f1b_ranks_run_pipedream_flush_order(p, m):
+    # Rank r: p-r-1 warmup forwards, then F / BW pairs, then the cooldown backwards (at most p-r live).
+    s = make_schedule("1f1b", p, m)
+    for r in range(p):
+        mbs = [(mb, 0) for mb in range(m)]
+        assert _rank_program(s, r) == _one_f_one_b_order(mbs, mbs, min(p - r - 1, m)), r
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 2, 2), (2, 6, 3), (3, 9, 2), (4, 8, 2), (4, 16, 3)])
+def test_interleaved_ranks_run_megatrons_program(p, m, v):
+    # Megatron's order: microbatches in groups of p, each group through chunk 0..v-1 forward and
+    # v-1..0 backward; 2(p-r-1) + (v-1)p warmup forwards on rank r, then F / BW pairs, then the cooldown.
+    s = make_schedule("interleaved_1f1b", p, m, v)
+    seq = [(g * p + i, c) for g in range(m // p) for c in range(v) for i in range(p)]
+    fwd = seq
+    bwd = [(mb, v - 1 - c) for mb, c in seq]
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, m * v)
+        assert _rank_program(s, r) == _one_f_one_b_order(fwd, bwd, warmup), r
+
+
+@pytest.mark.parametrize("p, m", [(1, 2), (2, 5), (4, 4), (4, 8), (3, 2)])
+def test_zb_h1_ranks_run_b_w_f_rounds_with_w_lagging_by_rank(p, m):
+    # Rank r: p-r warmup forwards, then rounds (B_i, W_{i-r}, F_{i+warmup}), then the remaining W's.
+    s = make_schedule("zb_h1", p, m)
+    for r in range(p):
+        warmup = min(p - r, m)
+        order = [(F, mb, 0) for mb in range(warmup)]
+        for i in range(m):
+            order.append((B, i, 0))
+            if i - r >= 0:
+                order.append((W, i - r, 0))
+            if i + warmup < m:
+                order.append((F, i + warmup, 0))
+        order += [(W, mb, 0) for mb in range(max(m - r, 0), m)]
+        assert _rank_program(s, r) == order, r
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedule_carries_its_name_for_summaries_and_errors(name):
+    s = make_schedule(name, 2, 4, 2 if name == "interleaved_1f1b" else 1)
+    assert s.name == name
+    assert render_summary(s).splitlines()[-1].startswith(f"schedule={name} stages=2 microbatches=4 ")
+
+
+# ---- simulator: the timing of every action, worked out by hand on 2-rank tables.
+
+NAN = float("nan")
+
+
+def test_async_starts_each_action_when_its_rank_is_free_and_its_inputs_have_finished():
+    # 1f1b(2, 2), F=1 B=2 W=1 so BW=3. Rank 1's F0 waits for rank 0's F0 (t=1); rank 0's BW0 waits for
+    # rank 1's BW0 (t=5), its BW1 for rank 1's BW1 (t=9).
+    sim = simulate(make_schedule("1f1b", 2, 2), parse_costs("F=1,B=2,W=1"), mode="async")
+    np.testing.assert_array_equal(sim.start, [[0, NAN], [1, 1], [NAN, 2], [5, 5], [NAN, 6], [9, NAN]])
+    assert (sim.total_time, sim.busy_time, sim.ticks) == (12, 16, 6)
+    assert sim.bubble == pytest.approx(1 - 16 / (2 * 12))
+
+
+def test_async_split_backward_b_waits_for_the_downstream_b():
+    # zb_h1(2, 2), F=1 B=2 W=3: rank 0's B0 starts when rank 1's B0 ends (t=4), its B1 when rank 0 is free
+    # (t=9, after W0) although rank 1's B1 ended at t=7.
+    sim = simulate(make_schedule("zb_h1", 2, 2), {"F": 1, "B": 2, "W": 3}, mode="async")
+    np.testing.assert_array_equal(sim.start, [[0, NAN], [1, 1], [NAN, 2], [4, 4], [6, 5], [9, 7], [11, 10]])
+    assert sim.total_time == 14 and list(sim.slots_per_rank) == [2, 2]
+
+
+def test_lockstep_ticks_start_together_and_last_as_long_as_the_slowest():
+    sim = simulate(make_schedule("1f1b", 2, 2), {"F": 1, "B": 2, "W": 1})
+    np.testing.assert_array_equal(sim.start, [[0, NAN], [1, 1], [NAN, 2], [5, 5], [NAN, 8], [11, NAN]])
+    assert (sim.mode, sim.total_time, sim.busy_time) == ("lockstep", 14, 16)
+
+
+def test_fused_backward_costs_b_plus_w_unless_given():
+    s = make_schedule("1f1b", 2, 2)
+    bw = s.table[..., 0] == BW
+    assert set(simulate(s, {"B": 2, "W": 3}).cost[bw]) == {5.0}
+    assert set(simulate(s, {"B": 2, "W": 3, "BW": 4}).cost[bw]) == {4.0}
+    assert set(simulate(s).cost[bw]) == {2.0} and set(simulate(s).cost[s.table[..., 0] == F]) == {1.0}
+    assert set(simulate(s).cost[s.table[..., 0] == IDLE]) == {0.0}
+
+
+def test_a_schedule_without_ticks_has_no_bubble():
+    s = make_schedule("1f1b", 2, 2)
+    empty = dataclasses.replace(s, table=s.table[:0])
+    for mode in ("lockstep", "async"):
+        sim = simulate(empty, mode=mode)
+        assert (sim.total_time, sim.bubble, sim.peak_slots) == (0, 0.0, 0)
+
+
+def test_parse_costs_reads_every_kind_and_rejects_bad_entries_by_name():
+    assert parse_costs("F=1, B=2.5,,W=0.5,BW=3") == {"F": 1.0, "B": 2.5, "W": 0.5, "BW": 3.0}
+    assert parse_costs("") == {}
+    for bad in ("X=2", "F", "F:1"):
+        with pytest.raises(ValueError) as e:
+            parse_costs(f"B=1,{bad}")
+        assert str(e.value) == f"bad cost {bad!r}; write KIND=VALUE with KIND in F, B, W, BW"
+    with pytest.raises(ValueError) as e:
+        simulate(make_schedule("1f1b", 2, 2), mode="sync")
+    assert str(e.value) == "mode must be 'lockstep' or 'async', got 'sync'"
+
+
+def test_readme_bubble_table_is_what_bubble_table_prints():
+    # The README's table of bubbles (p = 4, m = 4, 8, 16) is the default `bubble_table`, printed.
+    table = format_bubble_table(bubble_table()).split("\n\n")[0]
+    assert table in (REPO / "README.md").read_text()
+
+
+def test_bubble_table_rows_are_the_simulated_figures():
+    rows = bubble_table(p=2, ms=(2, 4))
+    for name, m, asyn, lock, peak, ticks in rows:
+        s = make_schedule(name, 2, m, 2 if name == "interleaved_1f1b" else 1)
+        assert asyn == simulate(s, mode="async").bubble and lock == simulate(s).bubble
+        assert (peak, ticks) == (simulate(s).peak_slots, s.num_ticks)
+    lines = format_bubble_table(rows).splitlines()
+    assert lines[:3] == ["| schedule | m | bubble (async) | bubble (lockstep) | peak slots | ticks |",
+                         "|---|---|---|---|---|---|", "| gpipe | 2 | 0.333 | 0.333 | 2 | 6 |"]
+    assert "| interleaved_1f1b | 2 | 0.200 | 0.250 | 4 | 10 |" in lines
+    assert lines[-1].startswith("Costs F = B = W = 1, BW = 2.") and lines[-2] == ""

@@ -165,3 +165,84 @@ def test_every_generated_schedule_validates_and_no_bubble_beats_the_floor(case):
     sim = simulate(s, mode="async")
     units = sim.busy_time / p  # unit-cost actions per rank (F = B = W = 1, BW = 2)
     assert sim.bubble >= (p - 1) / (units + p - 1) - 1e-12, (name, p, m, v, sim.bubble)
+
+
+# ---- malformed input: a hand-built Schedule with a wrong shape, dtype, placement or cell is rejected with
+# the whole message, which names what was expected and what it got (the user reads it, not a traceback).
+
+def _tiny():  # 1f1b, 2 ranks, 2 microbatches; tick 0: F(mb=0) on rank 0, rank 1 idle
+    return make_schedule("1f1b", 2, 2)
+
+
+def _message(s):
+    with pytest.raises(ScheduleError) as e:
+        validate(s)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_ranks": 0}, "need num_ranks, num_microbatches, num_chunks >= 1, got 0, 2, 1"),
+    ({"num_microbatches": 0}, "need num_ranks, num_microbatches, num_chunks >= 1, got 2, 0, 1"),
+    ({"num_chunks": 0}, "need num_ranks, num_microbatches, num_chunks >= 1, got 2, 2, 0"),
+    ({"table": [[[0, -1, -1, -1]] * 2]}, "table must be int32 [ticks, 2, 4], got <class 'list'> "),
+    ({"table": np.zeros((6, 2, 4), np.int64)}, "table must be int32 [ticks, 2, 4], got int64 (6, 2, 4)"),
+    ({"table": np.zeros((6, 2), np.int32)}, "table must be int32 [ticks, 2, 4], got int32 (6, 2)"),
+    ({"table": np.zeros((6, 3, 4), np.int32)}, "table must be int32 [ticks, 2, 4], got int32 (6, 3, 4)"),
+    ({"table": np.zeros((6, 2, 3), np.int32)}, "table must be int32 [ticks, 2, 4], got int32 (6, 2, 3)"),
+    ({"stage_of": [[0], [1]]}, "stage_of must be int32 [2, 1], got <class 'list'> "),
+    ({"stage_of": np.array([[0], [1]])}, "stage_of must be int32 [2, 1], got int64 (2, 1)"),
+    ({"stage_of": np.array([[0, 1]], np.int32)}, "stage_of must be int32 [2, 1], got int32 (1, 2)"),
+    ({"stage_of": np.array([[1], [2]], np.int32)},
+     "stage_of must hold each stage 0..1 exactly once, got [[1], [2]]"),
+])
+def test_malformed_schedule_structure_is_rejected_with_the_expected_shape(changes, message):
+    assert _message(dataclasses.replace(_tiny(), **changes)) == message
+
+
+@pytest.mark.parametrize("cell, message", [
+    ((IDLE, 0, -1, -1), "idle cell must be (0, -1, -1, -1), got (0, 0, -1, -1)"),
+    ((IDLE, -1, 0, -1), "idle cell must be (0, -1, -1, -1), got (0, -1, 0, -1)"),
+    ((IDLE, -1, -1, 0), "idle cell must be (0, -1, -1, -1), got (0, -1, -1, 0)"),
+    ((-1, 0, 0, 0), "unknown action kind -1; use IDLE, F, B, W or BW (0..4)"),
+    ((BW + 1, 0, 0, 0), "unknown action kind 5; use IDLE, F, B, W or BW (0..4)"),
+    ((F, -1, 0, 0), "microbatch -1 out of range 0..1"),
+    ((F, 2, 0, 0), "microbatch 2 out of range 0..1"),
+    ((F, 0, -1, 0), "chunk -1 out of range 0..0; chunks are local to the rank that owns the stage"),
+    ((F, 0, 1, 0), "chunk 1 out of range 0..0; chunks are local to the rank that owns the stage"),
+    ((F, 0, 0, -1), "F(mb=0, chunk=0) has slot -1; slots are >= 0"),
+])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_malformed_cell_is_rejected_naming_tick_rank_and_the_valid_range(cell, message, rank):
+    s = _tiny()
+    table = s.table.copy()
+    table[0, rank] = cell  # tick 0: the first cell the validator reads on that rank
+    assert _message(dataclasses.replace(s, table=table)) == f"tick 0 rank {rank}: {message}"
+
+
+# 1f1b(2, 2), ticks 0..5:  rank 0: F0 F1 .  X0 .  X1   (slots 0 1 - 0 - 1)
+#                          rank 1: .  F0 X0 F1 X1 .    (slots - 0 0 0 0 -)
+@pytest.mark.parametrize("cells, message", [
+    ({(0, 0): (IDLE, -1, -1, -1)}, "tick 1 rank 1: F(mb=0, chunk=0) needs its input activation from stage 0 "
+                                   "(F(mb=0) of stage 0), which never runs; add it before tick 1"),
+    ({(1, 1): (BW, 0, 0, 0), (2, 1): (F, 0, 0, 0)},
+     "tick 1 rank 1: BW(mb=0, chunk=0) runs before its own forward on stage 1 (F at tick 2); move it to "
+     "tick >= 3"),
+    ({(4, 1): (IDLE, -1, -1, -1)}, "tick 5 rank 0: BW(mb=1, chunk=0) needs its input gradient from stage 1 "
+                                   "(B(mb=1) of stage 1), which never runs; add it before tick 5"),
+    ({(5, 1): (B, 0, 0, 0)}, "tick 2 rank 1: BW(mb=0, chunk=0): stage 1 runs both B and BW for this "
+                             "microbatch; use B + W or one BW"),
+    ({(5, 1): (W, 0, 0, 0)}, "tick 5 rank 1: W(mb=0, chunk=0): stage 1 already runs BW for this microbatch; "
+                             "drop the W or split the BW into B"),
+    ({(2, 1): (BW, 0, 0, 99)}, "tick 2 rank 1: BW(mb=0, chunk=0) reads slot 99, but its activation is in "
+                               "slot 0 (or already freed); use the F's slot"),
+    ({(1, 0): (F, 1, 0, 0)}, "tick 1 rank 0: F(mb=1, chunk=0) stores into slot 0, still live for mb=0 of "
+                             "stage 0; use a free slot"),
+    ({(5, 1): (F, 1, 0, 1)}, "tick 5 rank 1: F(mb=1, chunk=0) of stage 1 runs twice (first at tick 3); "
+                             "remove one"),
+])
+def test_dependency_errors_give_the_whole_message(cells, message):
+    s = _tiny()
+    table = s.table.copy()
+    for (t, r), cell in cells.items():
+        table[t, r] = cell
+    assert _message(dataclasses.replace(s, table=table)) == message
