@@ -253,7 +253,7 @@ def test_ragged_all_to_all_emulation_follows_the_primitives_documented_example()
     np.testing.assert_array_equal(run(*args), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-@pytest.mark.parametrize("ep", [2, 3])
+@pytest.mark.parametrize("ep", [3])  # 3 senders, 2 experts each (2 more costs ~1 min of CI for no new path)
 def test_ragged_dispatch_across_expert_ranks_equals_per_expert_loop_and_its_gradients(ep):
     """`moe_ragged_ep` (one ragged all-to-all each way, offsets from a count table) with the primitive
     emulated (XLA:CPU lacks it): outputs equal the per-expert loop; gradients equal the one-rank path's."""
