@@ -155,8 +155,8 @@ class LossPath:
         def first_fn(rest_params, mb):
             return model(rest_params).embed(mb, par)
 
-        def stage_fn(chunk, x, mb):
-            x, aux = model_lib.apply_blocks_aux(blocks_graphdef, chunk, x, mb, plan.remat, stage_par)
+        def layer_fn(layer, x, mb):  # the executor runs a stage's layers, one vjp per layer (split backward)
+            x, aux = model_lib.apply_layer_aux(blocks_graphdef, layer, x, mb, plan.remat, stage_par)
             if not stage_aux:
                 return x
             # This rank's sums over its tokens; the executor sums them over the batch axes. Tensor ranks
@@ -173,7 +173,7 @@ class LossPath:
         # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
         stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), stage_par.param_specs(plan.logical["blocks"]))
         return dict(
-            first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
+            first_fn=first_fn, layer_fn=layer_fn, last_fn=last_fn,
             params={"first": _subtree(rest, first_keys), "stages": executor.to_pipeline_layout(params["blocks"], schedule),
                     "last": _subtree(rest, last_keys)},
             inputs=self.split_microbatches(batch, schedule.num_microbatches), mesh=self.mesh,

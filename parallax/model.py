@@ -283,11 +283,17 @@ def apply_blocks_aux(blocks_graphdef, stacked, x, batch, remat: str = "none", pa
     `blocks_graphdef` is `nnx.split(model.blocks)[0]`. Runs the whole stack, or one pipeline chunk of it.
     Returns (x, aux): aux the layers' aux dicts stacked over layers ({} for layers without them).
     """
+    return jax.lax.scan(lambda h, layer: apply_layer_aux(blocks_graphdef, layer, h, batch, remat, par), x, stacked)
+
+
+def apply_layer_aux(blocks_graphdef, layer, x, batch, remat: str = "none", par: Parallelism = DENSE):
+    """One block (its parameters `layer`: a pure dict without the layers dim) under the remat policy ->
+    (x, aux dict). The pipeline executor runs a stage's layers with it, one vjp per layer."""
     def body(h, layer_params):
         return _split_aux(nnx.merge(blocks_graphdef, layer_params).layer(h, batch, par))
 
     body = jax.checkpoint(body, policy=_REMAT_POLICIES.get(remat, _all_but_gathered), prevent_cse=False)
-    return jax.lax.scan(body, x, stacked)
+    return body(x, layer)
 
 
 def apply_blocks(blocks_graphdef, stacked, x, batch, remat: str = "none", par: Parallelism = DENSE):

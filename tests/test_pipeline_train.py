@@ -5,7 +5,8 @@ import pytest
 
 from helpers import assert_parity, loss_grads_and_steps, tiny_config
 from parallax.config import ConfigError
-from parallax.plan import make_plan
+from parallax.plan import abstract_batch, make_plan
+from parallax.trainer import Trainer
 
 TOL = 1e-5
 LAYERS = 8  # divisible into p * v stages for p in {2, 4}, v in {1, 2}
@@ -77,3 +78,24 @@ def test_bad_pipeline_config_names_the_fix(change, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as info:
         make_plan(config, 8)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("mesh", [dict(pipe=2, tensor=2, fsdp=2), dict(pipe=2, seq=2, data=2)],
+                         ids=["pipe=2,tensor=2,fsdp=2", "pipe=2,seq=2,data=2"])
+def test_zero_bubble_schedules_do_the_matmul_work_of_1f1b_on_llama(mesh):
+    """The trained model's step (the Llama blocks' split backward, with tensor / FSDP collectives, remat
+    policy and Ulysses inside): zb_h1 and zbv count the same matmul FLOPs as 1F1B, within 5%."""
+    from parallax.pipeline import work
+    from parallax.pipeline.executor import compile_schedule
+    flops = {}
+    for schedule in ("1f1b", "zb_h1", "zbv"):
+        config = _config(schedule, **mesh)
+        config.model.attention = "ulysses" if mesh.get("seq") else "dense"
+        trainer = Trainer(config, devices=jax.devices())
+        batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_batch(config))
+        jaxpr = jax.make_jaxpr(trainer._loss_and_grads)(trainer.abstract_params, batch)
+        flops[schedule] = work.step_flops(jaxpr, compile_schedule(trainer.plan.schedule))
+    print({s: f["total"] for s, f in flops.items()})
+    for schedule in ("zb_h1", "zbv"):
+        assert abs(flops[schedule]["total"] / flops["1f1b"]["total"] - 1) <= 0.05, flops
+        assert flops[schedule]["W"] > 0 and flops[schedule]["B"] > 0

@@ -21,6 +21,7 @@ from parallax.pipeline.program import (  # noqa: F401  (compile_schedule is part
     _B, _B_FIRST, _BRANCH, _BW, _BW_FIRST, _CHUNK, _F, _F_FIRST, _F_LAST, _FROM_DOWN, _FROM_UP, _IDLE, _IN,
     _LOCAL, _MB, _SLOT, _W, Program, compile_schedule)
 from parallax.pipeline.schedule import Schedule
+from parallax.pipeline.split import SplitBackward
 
 def _take_rows(a, idx):
     """`a[idx]` along dim 0. For explicitly sharded arrays dim 0 of the result is unsharded and the other
@@ -92,18 +93,23 @@ def _axes_of(spec) -> set:
     return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
 
-def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, params, inputs, mesh,
-                            remat=False, batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(),
-                            stage_aux=False):
+def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None,
+                            layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
+                            input_spec=P(), stage_aux=False):
     """Loss and gradients of a pipelined model, running `schedule` over the mesh axis `pipe`.
 
     The model is `sum_mb last_fn(last, stage_{S-1}(... stage_0(first_fn(first, mb)) ...), mb)`, where
-    stage s applies `stage_fn` with the weights of stage s.
+    stage s applies `stage_fn` with the weights of stage s. Give either `stage_fn` (a chunk as a black box)
+    or `layer_fn` (one layer): then a chunk is its layers in order (the stage leaves' dim after `[p, v]`),
+    the executor runs them itself, and a split backward (zb_h1, zbv) computes each layer's weight
+    gradient once in W instead of re-running the chunk's chain of input cotangents (B stores each
+    layer's output cotangent for it: one activation per layer per microbatch waiting for its W).
 
     params: {'first': pytree (used by stage 0's rank), 'stages': pytree with leaves `[p, v, ...]` in the
       local chunk layout of `to_pipeline_layout` (dim 0 sharded over `pipe`), 'last': pytree}.
     inputs: dict of arrays `[m, mb_rows, ...]`; rows are split over the `batch_axes` of size > 1, the
       dims after them as `input_spec` says (e.g. `P('seq')`: the sequence split over `seq`).
+    layer_fn(layer, x, mb_inputs): like stage_fn for one layer (leaves of `layer` without the layers dim).
     param_specs: optional {'first', 'stages', 'last'} trees of PartitionSpecs (a missing key or None:
       replicated) for model parallelism inside the stages, e.g. `P(None, 'tensor')`; for 'stages' they
       describe the dims after `[p, v]`. The functions then run on these shards, with collectives of
@@ -138,10 +144,11 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
     """
     layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec)
     prog = compile_schedule(schedule)
+    fns = (first_fn, _one_of(stage_fn, layer_fn), last_fn)
 
     def body(first_p, stage_p, last_p, inputs):
-        trace = _Trace((first_fn, stage_fn, last_fn), layout.manual, remat, first_p, stage_p, last_p, inputs,
-                       stage_aux=stage_aux, batch=layout.batch)
+        trace = _Trace(fns, layout.manual, remat, first_p, stage_p, last_p, inputs, stage_aux=stage_aux,
+                       batch=layout.batch, layered=layer_fn is not None, split_w=True)
         trace.probe()
         loss, (gw, gf, gl), stats = trace.run(prog)
         loss, grads = trace.reduce(loss, {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl},
@@ -153,7 +160,7 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, stage_fn, last_fn, 
                        (P(), layout.specs))
 
 
-def pipeline_loss(schedule: Schedule, *, first_fn, stage_fn, last_fn, params, inputs, mesh,
+def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None, layer_fn=None,
                   batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False):
     """The loss of `pipeline_value_and_grad` alone (evaluation): the same shard_map and layout, running
     only the schedule's F actions (`compile_schedule(..., forward_only=True)`); nothing is stored for a
@@ -162,12 +169,18 @@ def pipeline_loss(schedule: Schedule, *, first_fn, stage_fn, last_fn, params, in
     prog = compile_schedule(schedule, forward_only=True)
 
     def body(first_p, stage_p, last_p, inputs):
-        trace = _Trace((first_fn, stage_fn, last_fn), layout.manual, False, first_p, stage_p, last_p, inputs,
-                       forward_only=True, stage_aux=stage_aux)
+        trace = _Trace((first_fn, _one_of(stage_fn, layer_fn), last_fn), layout.manual, False, first_p, stage_p,
+                       last_p, inputs, forward_only=True, stage_aux=stage_aux, layered=layer_fn is not None)
         loss, _, _ = trace.run(prog)
         return trace.reduce(loss, {}, {})[0]
 
     return layout.call(body, params, inputs, out_specs=P())
+
+
+def _one_of(stage_fn, layer_fn):
+    if (stage_fn is None) == (layer_fn is None):
+        raise TypeError("give the executor exactly one of stage_fn (a chunk) and layer_fn (one layer)")
+    return stage_fn or layer_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,17 +264,24 @@ def _add_chunk(acc, c, d):
 
 class _Trace:
     """The executor's body as traced on one rank inside the shard_map, in four parts: the probe (what a
-    chunk's pullback holds), the switch branches (one per kind of action), the tick (one scan step), and
+    layer's pullback holds), the switch branches (one per kind of action), the tick (one scan step), and
     the reduction of the results over the manual axes after the loop.
+
+    A chunk is a sequence of layers: with `layer_fn` the executor scans the chunk's layers itself (the
+    leaves' dim after `[p, v]`), one vjp per layer, so the backward can be split per layer (see
+    `backward`); with `stage_fn` alone the chunk is one opaque "layer" and nothing changes but the names.
 
     Every weight is cast to varying over all manual axes before any vjp, so no transpose inserts a
     collective inside the loop. With `forward_only` the branches run forwards and the loss only.
     """
 
     def __init__(self, fns, manual, remat, first_p, stage_p, last_p, inputs, forward_only=False, stage_aux=False,
-                 batch=()):
-        self.first_fn, self.stage_fn, self.last_fn = fns
+                 batch=(), layered=False, split_w=False):
+        self.first_fn, self.layer_fn, self.last_fn = fns
         self.manual, self.remat, self.forward_only, self.stage_aux = manual, remat, forward_only, stage_aux
+        self.layered = layered
+        # Per-layer weight gradients in W (see `backward`): B stores each layer's output cotangent.
+        self.split_w = split_w and layered and not remat and not forward_only
         # Stats are this rank's sums over its rows: typed varying over `pipe` and the batch axes, so that the
         # reduction sums them over the batch shards whatever their type (a per-rank constant included).
         self.stats_axes = ("pipe", *batch)
@@ -272,7 +292,7 @@ class _Trace:
         # see `probe`) but stay invariant over the model axes: they are the same on those ranks, which
         # keeps, e.g., a vocabulary-parallel loss invariant over `tensor`.
         self.inputs = jax.tree.map(lambda a: _cast(a, ("pipe",)), inputs)
-        self.mb0, self.w0 = self.mb_inputs(0), self.chunk(0)
+        self.mb0, self.w0 = self.mb_inputs(0), self.layer(self.chunk(0), 0)
         self.x0 = self.first_fn(self.first_p, self.mb0)
         self.res_avals, self.roles, self.treedef = [], [], None
         # The loss is summed over `pipe` and over the manual axes last_fn's value (and the stages' aux
@@ -280,7 +300,8 @@ class _Trace:
         loss_vma = _vma(self.last_fn(self.last_p, self.x0, self.mb0))
         self.term0, self.stats0 = None, ()
         if stage_aux and not forward_only:
-            _, self.term0, self.stats0 = self.stage(self.w0, self.x0, self.mb0)
+            _, self.term0, stats = self.apply(self.w0, self.x0, self.mb0)
+            self.stats0 = self.stack_like(stats)  # a chunk's stats: stacked over its layers
             loss_vma = loss_vma | _vma(self.term0)
         self.loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
 
@@ -293,24 +314,43 @@ class _Trace:
     def chunk(self, c):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), self.stage_p)
 
-    def stage(self, w, x, mb):
-        """stage_fn -> (y, aux loss term or None, stats or ())."""
-        out = self.stage_fn(w, x, mb)
+    @property
+    def chunk_layers(self) -> int:
+        return jax.tree.leaves(self.stage_p)[0].shape[1] if self.layered else 1
+
+    def layer(self, w, i):
+        """Layer i's weights of chunk weights w (the chunk itself when it is one opaque layer)."""
+        return jax.tree.map(lambda a: a[i], w) if self.layered else w
+
+    def stack_like(self, tree):
+        """Zeros like `tree` (same types), stacked over the chunk's layers (unstacked for an opaque chunk)."""
+        lead = (self.chunk_layers,) if self.layered else ()
+        return jax.tree.map(lambda a: _zeros(jax.ShapeDtypeStruct(lead + a.shape, a.dtype), axes=_vma(a)), tree)
+
+    def over_layers(self, fn, carry, xs, reverse=False):
+        """`lax.scan(fn, carry, xs)` over the chunk's layers; one call of fn on the whole chunk when opaque."""
+        if self.layered:
+            return jax.lax.scan(fn, carry, xs, reverse=reverse)
+        return fn(carry, xs)
+
+    def apply(self, w, x, mb):
+        """One layer: layer_fn -> (y, aux loss term or None, stats or ())."""
+        out = self.layer_fn(w, x, mb)
         if not self.stage_aux:
             return out, None, ()
         y, (term, stats) = out
         return y, term.astype(jnp.float32), jax.tree.map(lambda a: _cast(jax.lax.stop_gradient(a),
                                                                         self.stats_axes), stats)
 
-    def vjp_chunk(self, w, x, mb):
+    def vjp_layer(self, w, x, mb):
         """-> (y, pullback, aux loss term, stats). With stage aux values the pullback takes (dy, d term)
         (`seed`) and the term's gradient flows into dw and dx with the activations'."""
         if not self.stage_aux:
-            y, pb = jax.vjp(lambda w, x: self.stage_fn(w, x, mb), w, x)
+            y, pb = jax.vjp(lambda w, x: self.layer_fn(w, x, mb), w, x)
             return y, pb, None, ()
 
         def f(w, x):
-            y, term, stats = self.stage(w, x, mb)
+            y, term, stats = self.apply(w, x, mb)
             return (y, term), stats
         (y, term), pb, stats = jax.vjp(f, w, x, has_aux=True)
         return y, pb, term, stats
@@ -324,12 +364,9 @@ class _Trace:
     # --- the probe ------------------------------------------------------------------------------------
 
     def probe(self):
-        """Traces one chunk's pullback to learn its treedef and which leaves are real residuals (to store),
+        """Traces one layer's pullback to learn its treedef and which leaves are real residuals (to store),
         which are the weights or microbatch inputs (refetched in the backward), and which are constants."""
-        if self.remat:
-            self.res_avals = [self.x0]
-            return
-        _, probe, _, _ = self.vjp_chunk(self.w0, self.x0, self.mb0)
+        _, probe, _, _ = self.vjp_layer(self.w0, self.x0, self.mb0)
         probe_leaves, self.treedef = jax.tree.flatten(probe)
         w_leaves, mb_leaves = jax.tree.leaves(self.w0), jax.tree.leaves(self.mb0)
         roles = []  # per pullback leaf: ("w", i) | ("mb", i) | ("const", leaf) | ("res", i)
@@ -344,66 +381,136 @@ class _Trace:
                 roles.append(("res", sum(r == "res" for r, _ in roles)))
         self.roles = roles
         self.res_avals = [leaf for (r, _), leaf in zip(roles, probe_leaves) if r == "res"]
+        if self.split_w:
+            self.split = SplitBackward(lambda leaves, dy: jax.tree.unflatten(self.treedef, leaves)(self.seed(dy)),
+                                       probe_leaves, self.x0)
+            self.boundary0 = self.split.b(probe_leaves, self.x0)[1]  # only their types are used
+
+    def slot_avals(self):
+        """What one activation slot holds: the chunk input (remat) or every layer's residuals."""
+        if self.remat:
+            return [self.x0]
+        return self.stack_like(self.res_avals)
 
     def forward(self, c, x, mb):
-        """-> (y, residual leaves to store, aux loss term or None, stats or ())."""
-        if self.forward_only:
-            return self.stage(self.chunk(c), x, mb)[0], (), None, ()
-        if self.remat:
-            y, term, stats = self.stage(self.chunk(c), x, mb)
-            return y, (x,), term, stats
+        """-> (y, what to store in the slot, aux loss term or None, stats or ())."""
         w = self.chunk(c)
-        y, pb, term, stats = self.vjp_chunk(w, x, mb)
-        leaves, refs = jax.tree.leaves(pb), {"w": jax.tree.leaves(w), "mb": jax.tree.leaves(mb)}
-        if len(leaves) != len(self.roles) or any(r in refs and a is not refs[r][i]
-                                                 for (r, i), a in zip(self.roles, leaves)):
-            raise RuntimeError("stage_fn's pullback changed structure between traces; stage_fn must not "
-                               "branch in Python on the values of its inputs")
-        return y, tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res"), term, stats
+        if self.forward_only or self.remat:
+            def body(h, wl):
+                y, term, stats = self.apply(wl, h, mb)
+                return y, (term, stats)
+            y, (terms, stats) = self.over_layers(body, x, w)
+            if self.forward_only:  # evaluation: the loss alone
+                return y, (), None, ()
+            return y, (x,), self.total(terms), stats
+        y, res, term, stats = self.forward_residuals(w, x, mb)
+        return y, res, term, stats
 
-    def pullback(self, c, slot, mb, slots):
-        if self.remat:
-            return self.vjp_chunk(self.chunk(c), slots[0][slot], mb)[1]
-        w_leaves, mb_leaves = jax.tree.leaves(self.chunk(c)), jax.tree.leaves(mb)
-        leaves = [w_leaves[i] if r == "w" else mb_leaves[i] if r == "mb" else i if r == "const" else
-                  slots[i][slot] for r, i in self.roles]
-        return jax.tree.unflatten(self.treedef, leaves)
+    def total(self, terms):
+        return None if terms is None else jnp.sum(terms) if self.layered else terms
+
+    def forward_residuals(self, w, x, mb):
+        """The chunk's forward with a vjp per layer -> (y, residual leaves stacked over layers, term, stats)."""
+        def body(h, wl):
+            y, pb, term, stats = self.vjp_layer(wl, h, mb)
+            leaves, refs = jax.tree.leaves(pb), {"w": jax.tree.leaves(wl), "mb": jax.tree.leaves(mb)}
+            if len(leaves) != len(self.roles) or any(r in refs and a is not refs[r][i]
+                                                     for (r, i), a in zip(self.roles, leaves)):
+                raise RuntimeError("the stage's pullback changed structure between traces; stage_fn / layer_fn "
+                                   "must not branch in Python on the values of its inputs")
+            return y, (tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res"), term, stats)
+        y, (res, terms, stats) = self.over_layers(body, x, w)
+        return y, res, self.total(terms), stats
+
+    def pullback_leaves(self, wl, res, mb):
+        """One layer's pullback leaves from its weights wl and residual leaves res."""
+        w_leaves, mb_leaves = jax.tree.leaves(wl), jax.tree.leaves(mb)
+        return [w_leaves[i] if r == "w" else mb_leaves[i] if r == "mb" else i if r == "const" else
+                res[i] for r, i in self.roles]
+
+    def pullback(self, wl, res, mb):
+        """One layer's pullback rebuilt from its weights wl and residual leaves res."""
+        return jax.tree.unflatten(self.treedef, self.pullback_leaves(wl, res, mb))
+
+    def backward(self, c, slot, mb, slots, dy, cots, need_dx, need_dw):
+        """-> (dx or None, dW of the chunk or None, per-layer output cotangents to store or None).
+
+        B / BW run down the layers, each layer's pullback taking the cotangent of its output; B keeps only
+        dx (the weight-gradient products are dead code, removed by the compiler) and, with `split_w`,
+        stores each layer's output cotangent. W then runs each layer's pullback once more on that
+        cotangent and keeps only dW: the weight-gradient products alone, no chain through the chunk, so
+        B + W does the work of one BW. Without per-layer cotangents (an opaque chunk, or remat) W takes
+        the chunk's output cotangent and re-runs the chain below it (the inner layers' dx, then dead)."""
+        w = self.chunk(c)
+        if self.remat:  # recompute the residuals from the stored chunk input
+            res = self.forward_residuals(w, slots[0][slot], mb)[1]
+        else:
+            res = tuple(s[slot] for s in slots)
+        if cots is not None:  # W: each layer's weight-gradient equations on B's stored boundary values
+            def body(_, xs):
+                wl, rl, bnd = xs
+                return None, self.split.w(self.pullback_leaves(wl, rl, mb), bnd)
+            return None, self.over_layers(body, None, (w, res, cots))[1], None
+
+        if self.split_w and need_dx and not need_dw:  # B: the input-cotangent equations, keeping the boundary
+            def body(d, xs):
+                wl, rl = xs
+                return self.split.b(self.pullback_leaves(wl, rl, mb), d)
+            dx, stored = self.over_layers(body, dy, (w, res), reverse=True)
+            return dx, None, stored
+
+        def body(d, xs):
+            wl, rl = xs
+            dwl, dx = self.pullback(wl, rl, mb)(self.seed(d))
+            return dx, dwl if need_dw else None
+        dx, dw = self.over_layers(body, dy, (w, res), reverse=True)
+        return (dx if need_dx else None), dw, None
 
     # --- the branches ---------------------------------------------------------------------------------
 
-    def out(self, msg=None, res=None, dw=None, dfirst=None, dlast=None, loss=None, stats=None):
+    def cot_avals(self):
+        """What one boundary slot holds (`split_w`): each of a chunk's layers' boundary values (B -> W)."""
+        return self.stack_like(self.boundary0)
+
+    def out(self, msg=None, res=None, dw=None, dfirst=None, dlast=None, loss=None, stats=None, cots=None):
         """What one tick produced: (message to send (an activation or an input cotangent, shaped like x),
-        residuals to store, (dW of the chunk, d first, d last) in fp32, loss, the chunk's stats), zeros
-        where it produced nothing. The carry is updated outside the switch, so that XLA updates the buffers in place instead
-        of copying them through the conditional."""
+        what to store in the activation slot, per-layer cotangents to store (`split_w`), (dW of the chunk,
+        d first, d last) in fp32, loss, the chunk's stats), zeros where it produced nothing. The carry is
+        updated outside the switch, so that XLA updates the buffers in place instead of copying them
+        through the conditional."""
         f32 = jnp.float32
 
         def f32_or_zeros(grad, like):
             return jax.tree.map(lambda a: _zeros(a, f32), like) if grad is None else \
                 jax.tree.map(lambda g: g.astype(f32), grad)
         grads = () if self.forward_only else (
-            f32_or_zeros(dw, self.w0), f32_or_zeros(dfirst, self.first_p), f32_or_zeros(dlast, self.last_p))
+            f32_or_zeros(dw, self.stage_w0), f32_or_zeros(dfirst, self.first_p), f32_or_zeros(dlast, self.last_p))
+        cot = () if not self.split_w else tuple(map(_zeros, self.cot_avals())) if cots is None else cots
         return (_zeros(self.x0) if msg is None else msg.astype(self.x0.dtype),
-                tuple(_zeros(a) for a in self.res_avals) if res is None else res, grads,
+                tuple(_zeros(a) for a in self.slot_avals()) if res is None else res, cot, grads,
                 _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes) if loss is None else
                 _cast(loss.astype(f32), self.loss_axes),
                 jax.tree.map(_zeros, self.stats0) if stats is None else stats)
 
+    @property
+    def stage_w0(self):
+        return self.chunk(0)
+
     def branches(self, prog: Program):
-        """The switch branches `prog` uses, each `(slots, inbox, instruction) -> out(...)`."""
-        def idle(slots, inbox, ins):
+        """The switch branches `prog` uses, each `(slots, cots, inbox, instruction) -> out(...)`."""
+        def idle(slots, cots, inbox, ins):
             return self.out()
 
-        def fwd(slots, inbox, ins):
+        def fwd(slots, cots, inbox, ins):
             y, res, term, stats = self.forward(ins[_CHUNK], inbox[ins[_IN]], self.mb_inputs(ins[_MB]))
             return self.out(msg=y, res=res, loss=term, stats=stats or None)
 
-        def fwd_first(slots, inbox, ins):
+        def fwd_first(slots, cots, inbox, ins):
             mb = self.mb_inputs(ins[_MB])
             y, res, term, stats = self.forward(ins[_CHUNK], self.first_fn(self.first_p, mb), mb)
             return self.out(msg=y, res=res, loss=term, stats=stats or None)
 
-        def fwd_last(slots, inbox, ins):
+        def fwd_last(slots, cots, inbox, ins):
             mb = self.mb_inputs(ins[_MB])
             y, res, term, stats = self.forward(ins[_CHUNK], inbox[ins[_IN]], mb)
             if self.forward_only:
@@ -414,13 +521,15 @@ class _Trace:
                 l = _cast(l.astype(jnp.float32), self.loss_axes) + _cast(term, self.loss_axes)
             return self.out(msg=dy, res=res, dlast=dlast, loss=l, stats=stats or None)
 
-        def bwd(slots, inbox, ins, need_dx, need_dw, first):
+        def bwd(slots, cots, inbox, ins, need_dx, need_dw, first):
             mb = self.mb_inputs(ins[_MB])
-            dw, dx = self.pullback(ins[_CHUNK], ins[_SLOT], mb, slots)(self.seed(inbox[ins[_IN]]))
-            dw = dw if need_dw else None
+            stored = tuple(c[ins[_SLOT]] for c in cots) if self.split_w and not need_dx else None
+            dx, dw, keep = self.backward(ins[_CHUNK], ins[_SLOT], mb, slots, inbox[ins[_IN]], stored,
+                                         need_dx, need_dw)
             if need_dx and first:
-                return self.out(dw=dw, dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), self.first_p)[1](dx)[0])
-            return self.out(msg=dx if need_dx else None, dw=dw)
+                return self.out(dw=dw, cots=keep,
+                                dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), self.first_p)[1](dx)[0])
+            return self.out(msg=dx, dw=dw, cots=keep)
 
         impls = {
             _IDLE: idle, _F: fwd, _F_FIRST: fwd_first, _F_LAST: fwd_last,
@@ -436,14 +545,17 @@ class _Trace:
         """One scan step: every rank switches on its own instruction, then the messages move."""
         branches, rank = self.branches(prog), jax.lax.axis_index("pipe")
         stores = jnp.asarray(np.isin(np.array(prog.branches), (_F, _F_FIRST, _F_LAST)))
+        stores_cots = jnp.asarray(np.isin(np.array(prog.branches), (_B, _B_FIRST)))
 
         def step(carry, code_t):  # code_t: [p, fields]
-            slots, inbox, grads, loss, stats = carry
+            slots, cots, inbox, grads, loss, stats = carry
             ins = code_t[rank]
-            msg, res, dgrads, dloss, dstats = jax.lax.switch(ins[_BRANCH], branches, slots, inbox, ins)
+            msg, res, cot, dgrads, dloss, dstats = jax.lax.switch(ins[_BRANCH], branches, slots, cots, inbox, ins)
             stats = _add_chunk(stats, ins[_CHUNK], dstats)
             slot = jnp.where(stores[ins[_BRANCH]], ins[_SLOT], -1)
             slots = tuple(_write(buf, slot, r) for buf, r in zip(slots, res))
+            cslot = jnp.where(stores_cots[ins[_BRANCH]], ins[_SLOT], -1)
+            cots = tuple(_write(buf, cslot, c) for buf, c in zip(cots, cot))
             if grads:
                 (gw, gf, gl), (dw, df, dl) = grads, dgrads
                 grads = (_add_chunk(gw, ins[_CHUNK], dw), jax.tree.map(jnp.add, gf, df),
@@ -453,7 +565,7 @@ class _Trace:
                 inbox = _write(inbox, ins[_FROM_UP], jax.lax.ppermute(msg, "pipe", prog.up_perm))
             if prog.down_perm:
                 inbox = _write(inbox, ins[_FROM_DOWN], jax.lax.ppermute(msg, "pipe", prog.down_perm))
-            return (slots, inbox, grads, loss + dloss, stats), None
+            return (slots, cots, inbox, grads, loss + dloss, stats), None
         return step
 
     def run(self, prog: Program):
@@ -461,14 +573,16 @@ class _Trace:
         `[v, ...]`) before reduction."""
         f32 = jnp.float32
         slots = tuple(_zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a))
-                      for a in self.res_avals)
+                      for a in self.slot_avals())
+        cots = () if not self.split_w else tuple(
+            _zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a)) for a in self.cot_avals())
         inbox = _zeros(jax.ShapeDtypeStruct((prog.inbox_size, *self.x0.shape), self.x0.dtype), axes=_vma(self.x0))
         grads = () if self.forward_only else \
             jax.tree.map(lambda a: _zeros(a, f32), (self.stage_p, self.first_p, self.last_p))
         stats = jax.tree.map(lambda a: _zeros(jax.ShapeDtypeStruct((self.stage_p_chunks, *a.shape), a.dtype),
                                               axes=_vma(a)), self.stats0)
-        carry = (slots, inbox, grads, _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes), stats)
-        (_, _, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry, jnp.asarray(prog.code))
+        carry = (slots, cots, inbox, grads, _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes), stats)
+        (_, _, _, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry, jnp.asarray(prog.code))
         return loss, grads, stats
 
     # --- the reduction --------------------------------------------------------------------------------
