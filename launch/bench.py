@@ -77,7 +77,11 @@ def bench_pipeline(steps):
     from parallax.train import make_dataset
     from parallax.trainer import Trainer
 
-    print("\n| schedule | p | m | ticks | temp MiB (compiled) | step time (s) |\n|---|---|---|---|---|---|")
+    from parallax.pipeline import work
+    from parallax.pipeline.executor import compile_schedule
+
+    print("\n| schedule | p | m | ticks | matmul GFLOP per step (counted per branch) | temp MiB (compiled) | "
+          "step time (s) |\n|---|---|---|---|---|---|---|")
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"):
         for m in (8, 16):
             config = _config(data=2, pipe=4)
@@ -91,7 +95,10 @@ def bench_pipeline(steps):
             compiled = trainer.loss_and_grads.lower(state["params"], batch).compile()
             temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
             dt = f"{_time_steps(trainer, dataset, steps)[0]:.3f}" if m == 8 else "-"  # time one m per schedule
-            print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {temp:.2f} | {dt} |", flush=True)
+            jaxpr = jax.make_jaxpr(trainer._loss_and_grads)(state["params"], batch)
+            gflop = work.step_flops(jaxpr, compile_schedule(trainer.plan.schedule))["total"] / 1e9
+            print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {gflop:.3f} | {temp:.2f} | {dt} |",
+                  flush=True)
 
 
 def bench_muon():

@@ -98,13 +98,15 @@ def assert_matches_reference(loss, grads):
     assert worst <= 1e-5, errs
 
 
-@pytest.mark.parametrize("layered", [True, False], ids=["layer_fn", "stage_fn"])
-@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("name,v", SCHEDULES, ids=[n for n, _ in SCHEDULES])
+# The executor gets `layer_fn` (it runs the chunk's layers) or the chunk's `stage_fn` (a black box); the two
+# differ in the split backward, so the black box runs at p=4 only for the split schedules.
+GRAD_CASES = [(name, v, p, remat, layered) for name, v in SCHEDULES for p in (2, 4) for remat in (False, True)
+              for layered in (True, False) if layered or p == 2 or name in ("zb_h1", "zbv")]
+
+
+@pytest.mark.parametrize("name,v,p,remat,layered", GRAD_CASES, ids=[
+    f"{n}-{p}-{'remat' if r else 'stored'}-{'layer_fn' if l else 'stage_fn'}" for n, _, p, r, l in GRAD_CASES])
 def test_schedule_grads_match_unpipelined(name, v, p, remat, layered):
-    if not layered and p == 4 and name not in ("zb_h1", "zbv"):
-        pytest.skip("the black-box chunk differs from layer_fn only in the split backward; covered at p=2")
     sched = make_schedule(name, p, M, v)
     mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
     params, inputs = make_model()
@@ -224,7 +226,8 @@ def test_scan_runs_schedule_num_ticks(name, v, p):
     assert executor.compile_schedule(sched).num_ticks == sched.num_ticks
 
 
-def test_collectives_are_two_ppermutes_per_tick_and_one_final_reduction():
+def test_collectives_are_one_ppermute_per_send_pattern_and_one_final_reduction():
+    """Each distinct set of sending pairs is one ppermute in the loop, run only on its ticks."""
     sched = make_schedule("zbv", 4, M, 2)
     mesh = jax.make_mesh((2, 4), ("data", "pipe"))
     params, inputs = make_model()
@@ -241,7 +244,9 @@ def test_collectives_are_two_ppermutes_per_tick_and_one_final_reduction():
             if re.search(rf"= .*\b{op}(-start)?\(", line):
                 ops.setdefault(comp, []).append(op)
     loop_ops = sorted(op for comp, found in ops.items() if comp != "ENTRY" for op in found)
-    assert loop_ops == ["collective-permute"] * 2  # zbv sends both up and down the ring
+    prog = executor.compile_schedule(sched)
+    patterns = len(prog.send_patterns("up")[1]) + len(prog.send_patterns("down")[1])
+    assert patterns >= 2 and loop_ops == ["collective-permute"] * patterns  # zbv sends both up and down
     assert ops["ENTRY"].count("all-reduce") <= 2  # the gradients and the loss, once, after the loop
 
 
@@ -330,3 +335,19 @@ def test_split_backward_does_the_work_of_the_fused_one(p):
         assert got["B"] + got["W"] == base["BW"] // v and got["W"] > 0 and got["B"] > 0, (name, got, base)
         opaque = _step_flops(make_schedule(name, p, M, v), mesh, False)
         assert opaque["W"] == base["BW"] // v and opaque["total"] > base["total"], (name, opaque)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("name,v", SCHEDULES, ids=[n for n, _ in SCHEDULES])
+def test_messages_moved_are_the_ones_the_schedule_uses(name, v, p):
+    """The executor's permutes move exactly the messages the schedule consumes on another rank: each
+    (sender, receiver) pair of a tick's pattern has a receiver that files the message in its inbox."""
+    prog = executor.compile_schedule(make_schedule(name, p, 8, v))
+    moved = work.messages_moved(prog)
+    assert moved["sent"] == moved["needed"] < moved["every_tick"], moved
+    for direction, field, shift in (("up", program._FROM_UP, -1), ("down", program._FROM_DOWN, 1)):
+        index, patterns = prog.send_patterns(direction)
+        for t, i in enumerate(index.tolist()):
+            receivers = set(np.flatnonzero(prog.code[t, :, field] >= 0).tolist())
+            pairs = set(patterns[i - 1]) if i else set()
+            assert {dst for _, dst in pairs} == receivers and all(src == (dst + shift) % p for src, dst in pairs)

@@ -255,6 +255,14 @@ def _write(buf, i, value):
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i >= 0, value, old), j, 0)
 
 
+def _send(pattern, msg, patterns):
+    """`ppermute(msg, "pipe", patterns[pattern - 1])`, or zeros (nothing moves) for pattern 0. The pattern
+    comes from a table every device holds whole, so all devices take the same branch: each permute is one
+    collective that every device joins (permutes in per-rank branches would be paired wrongly)."""
+    branches = [_zeros] + [lambda m, perm=perm: jax.lax.ppermute(m, "pipe", perm) for perm in patterns]
+    return jax.lax.switch(pattern, branches, msg)
+
+
 def _add_chunk(acc, c, d):
     def one(a, b):
         cur = jax.lax.dynamic_index_in_dim(a, c, keepdims=False)
@@ -547,7 +555,10 @@ class _Trace:
         stores = jnp.asarray(np.isin(np.array(prog.branches), (_F, _F_FIRST, _F_LAST)))
         stores_cots = jnp.asarray(np.isin(np.array(prog.branches), (_B, _B_FIRST)))
 
-        def step(carry, code_t):  # code_t: [p, fields]
+        up_patterns, down_patterns = prog.send_patterns("up")[1], prog.send_patterns("down")[1]
+
+        def step(carry, xs):  # code_t: [p, fields]; send_t: this tick's send pattern up and down (0: none)
+            code_t, send_t = xs
             slots, cots, inbox, grads, loss, stats = carry
             ins = code_t[rank]
             msg, res, cot, dgrads, dloss, dstats = jax.lax.switch(ins[_BRANCH], branches, slots, cots, inbox, ins)
@@ -561,10 +572,10 @@ class _Trace:
                 grads = (_add_chunk(gw, ins[_CHUNK], dw), jax.tree.map(jnp.add, gf, df),
                          jax.tree.map(jnp.add, gl, dl))
             inbox = _write(inbox, ins[_LOCAL], msg)
-            if prog.up_perm:
-                inbox = _write(inbox, ins[_FROM_UP], jax.lax.ppermute(msg, "pipe", prog.up_perm))
-            if prog.down_perm:
-                inbox = _write(inbox, ins[_FROM_DOWN], jax.lax.ppermute(msg, "pipe", prog.down_perm))
+            if up_patterns:
+                inbox = _write(inbox, ins[_FROM_UP], _send(send_t[0], msg, up_patterns))
+            if down_patterns:
+                inbox = _write(inbox, ins[_FROM_DOWN], _send(send_t[1], msg, down_patterns))
             return (slots, cots, inbox, grads, loss + dloss, stats), None
         return step
 
@@ -582,7 +593,9 @@ class _Trace:
         stats = jax.tree.map(lambda a: _zeros(jax.ShapeDtypeStruct((self.stage_p_chunks, *a.shape), a.dtype),
                                               axes=_vma(a)), self.stats0)
         carry = (slots, cots, inbox, grads, _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes), stats)
-        (_, _, _, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry, jnp.asarray(prog.code))
+        sends = np.stack([prog.send_patterns("up")[0], prog.send_patterns("down")[0]], axis=1)
+        (_, _, _, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry,
+                                                        (jnp.asarray(prog.code), jnp.asarray(sends)))
         return loss, grads, stats
 
     # --- the reduction --------------------------------------------------------------------------------

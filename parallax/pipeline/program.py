@@ -44,6 +44,21 @@ class Program:
     def num_ticks(self) -> int:
         return int(self.code.shape[0])
 
+    def send_patterns(self, direction: str):
+        """(pattern per tick, patterns) of the messages moving `direction` ("up": rank r -> r+1, "down":
+        r -> r-1): patterns are the distinct sets of (source, destination) pairs that send on some tick,
+        and the tick's entry is 0 when nothing moves that way, else 1 + the index of its pattern. The
+        executor runs one `ppermute` per pattern, each only on its ticks, so every message it moves is one
+        the schedule uses."""
+        field, shift = (_FROM_UP, -1) if direction == "up" else (_FROM_DOWN, 1)
+        p = self.code.shape[1]
+        index, patterns = np.zeros(self.num_ticks, np.int32), {}
+        for t in range(self.num_ticks):
+            pairs = tuple(((dst + shift) % p, dst) for dst in np.flatnonzero(self.code[t, :, field] >= 0).tolist())
+            if pairs:
+                index[t] = patterns.setdefault(pairs, len(patterns)) + 1
+        return index, tuple(patterns)
+
 
 def compile_schedule(schedule: Schedule, forward_only: bool = False) -> Program:
     """Lowers `schedule` into executor instructions; raises ValueError if the executor cannot run it.

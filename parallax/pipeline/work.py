@@ -10,7 +10,8 @@ B + W must cost one fused BW.
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent in jax 0.10
 
-from parallax.pipeline.program import _BRANCH, _B, _B_FIRST, _BW, _BW_FIRST, _F, _F_FIRST, _F_LAST, _IDLE, _W
+from parallax.pipeline.program import (_B, _B_FIRST, _BRANCH, _BW, _BW_FIRST, _F, _F_FIRST, _F_LAST, _FROM_DOWN,
+                                       _FROM_UP, _IDLE, _W)
 
 BRANCH_NAMES = {_IDLE: "idle", _F: "F", _F_FIRST: "F_first", _F_LAST: "F_last", _B: "B", _B_FIRST: "B_first",
                 _W: "W", _BW: "BW", _BW_FIRST: "BW_first"}
@@ -84,3 +85,18 @@ def step_flops(closed_jaxpr, prog) -> dict:
     counts = np.bincount(prog.code[..., _BRANCH].ravel(), minlength=len(prog.branches))
     names = {BRANCH_NAMES[b]: f for b, f in zip(prog.branches, per_branch)}
     return {**names, "total": int(sum(int(c) * f for c, f in zip(counts, per_branch)))}
+
+
+def messages_moved(prog) -> dict:
+    """Activation / cotangent messages moved between pipeline ranks in one step of `prog`, in units of one
+    message (times its bytes: rows x seq / seq shards x d_model x dtype bytes, per device):
+    - "every_tick": both ring permutes over all their pairs on every tick (the executor before send patterns);
+    - "sent": what the executor moves: one permute per send pattern, on its ticks (`Program.send_patterns`);
+    - "needed": the messages the schedule consumes on another rank (the minimum)."""
+    sent = 0
+    for direction in ("up", "down"):
+        index, patterns = prog.send_patterns(direction)
+        sent += sum(len(patterns[i - 1]) for i in index.tolist() if i)
+    up, down = prog.code[..., _FROM_UP], prog.code[..., _FROM_DOWN]  # the receiver's inbox entry, or -1
+    return {"every_tick": prog.num_ticks * (len(prog.up_perm) + len(prog.down_perm)), "sent": sent,
+            "needed": int((up >= 0).sum() + (down >= 0).sum())}
