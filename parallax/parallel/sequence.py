@@ -19,7 +19,8 @@ K' = kv heads after Ulysses' GQA repeat, max(K, s)):
   segment ids|positions, 2*B*(T/s)*4 bytes. Backward: s-1 collective-permutes of the k|v cotangents.
 - All-gather: one all-gather of packed k|v, (s-1)/s * 2*B*T*K*Dh*b bytes received; one all-gather of packed
   segment ids|positions, B*T*2*4 (the same arrays in every layer, so XLA hoists it out of the layer loop).
-  Backward: one reduce-scatter of the k|v cotangents, the same bytes. Unlike ring attention, an all-gather
+  Backward: one reduce-scatter of the k|v cotangents, the same bytes (both in `tensor.reduction_dtype`: b = 4
+  for bf16 on XLA:CPU). Unlike ring attention, an all-gather
   has replica groups, so it stays within a pipeline rank and runs inside pipeline stages.
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from parallax.parallel.tensor import reduction_dtype
 
 # Large finite negative logit for masked pairs: exp(MASK - m) == 0 in fp32, and MASK - MASK == 0 stays
 # finite where -inf would give nan.
@@ -294,8 +297,11 @@ def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "se
     """
     s = jax.lax.axis_size(axis_name)
     check_sequence_parallel("allgather", s, q.shape[2], k.shape[2], q.shape[1] * s)
-    kv = jnp.stack([k, v])  # (2, B, T/s, K, Dh)
-    kv = jax.lax.all_gather(kv, axis_name, axis=2, tiled=True)  # (2, B, T, K, Dh) in zigzag order
+    # In `reduction_dtype` (fp32 for bf16 on XLA:CPU only): the transpose, a reduce-scatter of the k|v
+    # cotangents, would otherwise abort XLA:CPU's compile inside the pipeline executor's switch branches.
+    dt = reduction_dtype(k.dtype)
+    kv = jnp.stack([k, v]).astype(dt)  # (2, B, T/s, K, Dh)
+    kv = jax.lax.all_gather(kv, axis_name, axis=2, tiled=True).astype(k.dtype)  # (2, B, T, K, Dh), zigzag order
     kv = ring_unlayout(kv, s, axis=2)  # (2, B, T, K, Dh) in sequence order
     seg_pos = jnp.stack([segment_ids, positions], axis=-1)  # (B, T/s, 2)
     seg_pos = jax.lax.all_gather(seg_pos, axis_name, axis=1, tiled=True)  # (B, T, 2)
