@@ -15,7 +15,6 @@ TOL = 1e-5
 LAYOUTS = [
     dict(pipe=2, tensor=2, data=2),
     dict(pipe=2, seq=2, data=2, attention="ulysses"),
-    dict(pipe=2, seq=4, attention="allgather"),
     dict(pipe=2, data=2, fsdp=2),
     dict(tensor=2, seq=2, data=2, attention="ulysses"),
 ]
