@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import model as model_lib
 from parallax import sharding
+from parallax.parallel import sequence
 from parallax.parallel.manual import DENSE, MODEL_AXES, shard_loss
 from parallax.plan import abstract_batch
 from parallax.pipeline import executor
@@ -130,7 +131,8 @@ class LossPath:
         """The executor's functions, parameters, inputs and specs for the model.
 
         With tensor / sequence parallelism every stage runs per rank as in `shard_loss`: weights split over
-        `tensor`, microbatch arrays [rows, T/s] (Ulysses; the plan rejects ring), residual stream
+        `tensor`, microbatch arrays [rows, T/s] (Ulysses, or all-gather attention: its zigzag layout is
+        made here, on the global batch before the region; the plan rejects ring), residual stream
         [rows, T/(s*t), D] -- also between pipeline ranks. Stage weights stay sharded over FSDP inside the
         region (ZeRO-3 within a stage): `par.weight` all-gathers one layer at a time in the forward and
         again in the backward, and its transpose reduce-scatters the layer's gradient into an accumulator
@@ -169,6 +171,9 @@ class LossPath:
             return model(rest_params).loss(x, mb, par)
 
         first_keys, last_keys = self._pipeline_parts()
+        laid_out = batch
+        if par.zigzag:  # each seq rank's contiguous shard is then its zigzag chunks (i, 2s-1-i)
+            laid_out = jax.tree.map(lambda a: sequence.ring_layout(a, par.seq, axis=1), batch)
         rest_specs = par.param_specs({k: v for k, v in plan.logical.items() if k != "blocks"})
         # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
         stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), stage_par.param_specs(plan.logical["blocks"]))
@@ -176,7 +181,7 @@ class LossPath:
             first_fn=first_fn, layer_fn=layer_fn, last_fn=last_fn,
             params={"first": _subtree(rest, first_keys), "stages": executor.to_pipeline_layout(params["blocks"], schedule),
                     "last": _subtree(rest, last_keys)},
-            inputs=self.split_microbatches(batch, schedule.num_microbatches), mesh=self.mesh,
+            inputs=self.split_microbatches(laid_out, schedule.num_microbatches), mesh=self.mesh,
             batch_axes=plan.batch_axes, param_specs={"first": _subtree(rest_specs, first_keys), "stages": stage_specs,
                                                      "last": _subtree(rest_specs, last_keys)},
             input_spec=P("seq") if par.seq > 1 else P(), stage_aux=stage_aux)

@@ -42,7 +42,7 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
     par.weight(var, dtype=None)       the parameter as this rank uses it (FSDP shards gathered in `dtype`)
     par.embed(table_param, tokens, dtype)   (vocabulary-parallel) embedding lookup of an nnx.Param table
     par.gather_seq(x), par.scatter_seq(y), par.split_seq(x)   sequence-parallel boundaries over `tensor`
-    par.attention(q, k, v, segment_ids, positions)            dense, Ulysses or ring attention
+    par.attention(q, k, v, segment_ids, positions)            dense, Ulysses, ring or all-gather attention
     par.cross_entropy(logits, batch)  (vocabulary-parallel) weighted cross-entropy sum
     par.chunked(fn, x, batch)         a per-token sum over sequence chunks, each recomputed in the backward
     par.tensor, par.seq, par.expert   the axis sizes
@@ -80,7 +80,7 @@ GENERIC_KEYS = {
     "vocab_size": 256,
     "dtype": "float32",  # compute dtype: float32 or bfloat16 (parameters stay float32)
     "remat": "none",  # none | full | dots: rematerialisation of each block in the backward
-    "attention": "dense",  # dense | ulysses | ring: attention over mesh.seq > 1
+    "attention": "dense",  # dense | ulysses | ring | allgather: attention over mesh.seq > 1
     "attention_block": 512,  # blockwise attention tile, tokens (0: the reference with [T, T] logits)
     "loss_chunk": 1024,  # sequence positions per cross-entropy chunk (0: all logits at once)
 }

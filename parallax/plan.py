@@ -26,7 +26,7 @@ from parallax.parallel.manual import Parallelism
 from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, validate
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("dense", "ulysses", "ring")
+ATTENTION = ("dense", "ulysses", "ring", "allgather")
 # Logical names that explicit tensor / sequence / expert parallelism shards over its own axis.
 _EXPLICIT_RULES = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
                    ("length", "seq"), ("experts", "expert"))
@@ -164,10 +164,10 @@ def _check_generic(config, sizes):
         raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq*mesh.tensor={sp * tp} "
                           f"(the residual stream is split over both); use a multiple of {sp * tp}")
     if sp > 1 and m.attention == "dense":
-        raise ConfigError(f"config.model.attention='dense' with mesh.seq={sp}: set attention to 'ulysses' or "
-                          f"'ring', or set mesh.seq=1")
-    if m.attention == "ring" and t.seq_len % (2 * sp):
-        raise ConfigError(f"config.train.seq_len={t.seq_len}: ring: seq_len={t.seq_len} is not divisible by "
+        raise ConfigError(f"config.model.attention='dense' with mesh.seq={sp}: set attention to 'ulysses', "
+                          f"'allgather' or 'ring', or set mesh.seq=1")
+    if m.attention in ("ring", "allgather") and t.seq_len % (2 * sp):
+        raise ConfigError(f"config.train.seq_len={t.seq_len}: {m.attention}: seq_len={t.seq_len} is not divisible by "
                           f"2*seq={2 * sp} (zigzag layout): use a seq_len that is a multiple of {2 * sp}")
     if config.data.source == "text" and m.vocab_size < 256:
         raise ConfigError(f"config.model.vocab_size={m.vocab_size}: byte-level text needs vocab_size >= 256")
@@ -216,7 +216,7 @@ def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
         raise ConfigError(f"config.model.attention='ring' with mesh.pipe={p}, mesh.seq={sizes['seq']}: ring "
                           f"attention cannot run inside pipeline stages (an XLA collective-permute has no replica "
                           f"groups, so every device joins each one, while pipeline ranks run different stages); "
-                          f"use attention='ulysses' with pipe > 1")
+                          f"use attention='allgather' (any head count) or 'ulysses' with pipe > 1")
     if t.microbatches != 1:
         raise ConfigError(f"config.train.microbatches={t.microbatches}: with mesh.pipe={p} the pipeline "
                           f"microbatches the batch itself; set train.microbatches=1 and use pipeline.microbatches")

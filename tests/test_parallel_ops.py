@@ -87,9 +87,9 @@ def _seq_sharded(fn, mesh):
     return jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "seq"),) * 5, out_specs=P(None, "seq"))
 
 
-def _ring_on_full_sequence(mesh, s):
-    """Ring attention on sequence-order inputs: zigzag layout, shard over seq, undo the layout."""
-    ring = _seq_sharded(sequence.ring_attention, mesh)
+def _ring_on_full_sequence(mesh, s, attention=sequence.ring_attention):
+    """Ring (or all-gather) attention on sequence-order inputs: zigzag layout, shard over seq, undo the layout."""
+    ring = _seq_sharded(attention, mesh)
 
     def fn(*args):
         return sequence.ring_unlayout(ring(*(sequence.ring_layout(a, s, axis=1) for a in args)), s, axis=1)
@@ -108,18 +108,21 @@ def test_ulysses_matches_dense_attention_and_grads(s, kv_heads):
     _check_fwd_and_grads(fn, _dense_attention, args, (0, 1, 2), rng)
 
 
+@pytest.mark.parametrize("attention", [sequence.ring_attention, sequence.allgather_attention],
+                         ids=["ring", "allgather"])
 @pytest.mark.parametrize("s,kv_heads", [(2, 4), (4, 2)])
-def test_ring_with_zigzag_layout_matches_dense_attention_and_grads(s, kv_heads):
+def test_zigzag_ring_and_allgather_attention_match_dense_attention_and_grads(s, kv_heads, attention):
     rng = np.random.default_rng(100 + s * 10 + kv_heads)
     q, k, v, seg, pos = _attention_inputs(rng, 4 * s, kv_heads)  # two tokens per zigzag chunk
     # Row 0 is one causal document spanning every chunk: any wrongly skipped block shows up there.
     seg, pos = seg.at[0].set(1), pos.at[0].set(jnp.arange(4 * s))
     args = (q, k, v, seg, pos)
-    fn = _ring_on_full_sequence(_mesh("seq", s), s)
+    fn = _ring_on_full_sequence(_mesh("seq", s), s, attention)
     _check_fwd_and_grads(fn, _dense_attention, args, (0, 1, 2), rng)
 
 
-@pytest.mark.parametrize("attention", [sequence.ulysses_attention, sequence.ring_attention])
+@pytest.mark.parametrize("attention", [sequence.ulysses_attention, sequence.ring_attention,
+                                       sequence.allgather_attention])
 def test_sequence_attention_inside_shard_map_manual_over_tensor_and_seq(attention):
     """As the model calls it: heads split over `tensor`, sequence over `seq`, both axes manual."""
     t, s = 2, 2
@@ -129,7 +132,7 @@ def test_sequence_attention_inside_shard_map_manual_over_tensor_and_seq(attentio
     heads = P(None, "seq", "tensor")
     fn = jax.shard_map(attention, mesh=mesh, in_specs=(heads, heads, heads, P(None, "seq"), P(None, "seq")),
                        out_specs=heads)
-    if attention is sequence.ring_attention:
+    if attention is not sequence.ulysses_attention:  # zigzag layout
         def fn(*args, ring=fn):
             return sequence.ring_unlayout(ring(*(sequence.ring_layout(a, s, axis=1) for a in args)), s, 1)
     _assert_close(jax.jit(fn)(q, k, v, seg, pos), _dense_attention(q, k, v, seg, pos))
@@ -343,8 +346,9 @@ def test_count_collectives_counts_async_pairs_once():
 
 @pytest.mark.parametrize("call,fix", [
     (lambda: sequence.check_sequence_parallel("ring", 4, 8, 2, 20), "multiple of 8"),
-    (lambda: sequence.check_sequence_parallel("ulysses", 4, 6, 2, 16), "attention='ring'"),
-    (lambda: sequence.check_sequence_parallel("ulysses", 4, 12, 3, 16), "attention='ring'"),
+    (lambda: sequence.check_sequence_parallel("ulysses", 4, 6, 2, 16), "attention='allgather'"),
+    (lambda: sequence.check_sequence_parallel("ulysses", 4, 12, 3, 16), "attention='allgather'"),
+    (lambda: sequence.check_sequence_parallel("allgather", 4, 8, 2, 20), "multiple of 8"),
     (lambda: sequence.check_sequence_parallel("ulysses", 4, 8, 2, 18), "multiple of 4"),
     (lambda: sequence.check_sequence_parallel("dense", 2, 8, 2, 16), "set attention"),
     (lambda: sequence.check_sequence_parallel("flash", 2, 8, 2, 16), "use 'dense'"),
@@ -359,5 +363,6 @@ def test_divisibility_errors_are_one_line_and_name_the_fix(call, fix):
 
 def test_valid_configurations_pass_the_checks():
     sequence.check_sequence_parallel("ring", 4, 8, 2, 16)
+    sequence.check_sequence_parallel("allgather", 4, 4, 1, 16)  # no head constraint
     sequence.check_sequence_parallel("ulysses", 4, 8, 2, 16)  # K < s: kv heads are repeated
     sequence.check_sequence_parallel("dense", 1, 8, 2, 16)

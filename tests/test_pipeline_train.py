@@ -49,6 +49,8 @@ MODEL_PARALLEL_CASES = [
     ("zbv", dict(data=2, seq=2), "ulysses", 5),
     ("1f1b", dict(tensor=2, seq=2), "ulysses", 5),
     ("1f1b", dict(fsdp=2, tensor=2), "dense", 5),
+    ("1f1b", dict(seq=4), "allgather", 5),  # 2 kv heads on 4 seq ranks: no head is split
+    ("1f1b", dict(seq=2, tensor=2), "allgather", 5),
 ]
 
 
@@ -69,7 +71,7 @@ def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device
     (dict(pipeline=dict(schedule="pipedream")), "unknown schedule 'pipedream'"),
     (dict(pipeline=dict(microbatches=3)), "pipeline.microbatches=3"),
     (dict(train=dict(microbatches=2)), "set train.microbatches=1"),
-    (dict(mesh=dict(data=1, seq=2), model=dict(attention="ring")), "use attention='ulysses' with pipe > 1"),
+    (dict(mesh=dict(data=1, seq=2), model=dict(attention="ring")), "use attention='allgather'"),
 ], ids=["layers", "interleaved-m", "unknown", "batch", "accumulation", "ring"])
 def test_bad_pipeline_config_names_the_fix(change, expected):
     config = _config("1f1b", pipe=4, data=2)

@@ -47,6 +47,7 @@ PARITY_MESHES = [
     dict(data=2, seq=4, attention="ring"),
     dict(fsdp=2, seq=2, tensor=2, attention="ulysses"),
     dict(fsdp=2, seq=2, tensor=2, attention="ring"),
+    dict(data=2, seq=4, attention="allgather"),  # 2 kv heads on 4 seq ranks: no head constraint
 ]
 
 
@@ -68,6 +69,9 @@ def _expected(tensor=1, seq=1, attention="dense"):
     if attention == "ring":
         fwd["collective-permute"] = seq - 1  # k|v blocks; the ids|positions permutes are hoisted
     bwd = dict(fwd)  # each collective's transpose is one collective of the same size
+    if attention == "allgather":
+        fwd["all-gather"] = fwd.get("all-gather", 0) + 1  # k|v; the ids|positions gather is hoisted
+        bwd["reduce-scatter"] = bwd.get("reduce-scatter", 0) + 1  # its transpose: the k|v cotangents
     full = dict.fromkeys(hlo.COLLECTIVES, 0)
     return [{**full, **fwd}, {**full, **bwd}]
 
@@ -78,6 +82,7 @@ HLO_MESHES = [
     dict(seq=4, attention="ring"),
     dict(seq=2, tensor=2, attention="ulysses"),
     dict(seq=2, tensor=2, attention="ring"),
+    dict(seq=4, attention="allgather"),
 ]
 
 
@@ -96,10 +101,18 @@ def test_layer_collectives_in_compiled_hlo_match_design(mesh):
     assert found == _expected(**mesh)
     # No collective moves a full-vocabulary logits tensor (nor anything as large as one rank's).
     tokens = config.train.global_batch_size * config.train.seq_len // config.mesh.seq
+    m = config.model
+    # All-gather attention's k|v of the whole sequence: [2, B, T, K/t, Dh], by design (and here as large).
+    kv = (2, config.train.global_batch_size, config.train.seq_len, m.num_kv_heads // config.mesh.tensor,
+          m.d_model // m.num_heads)
     for op, shapes in hlo.collective_shapes(compiled):
         for shape in shapes:
             assert not (len(shape) >= 2 and shape[-1] == 128 and math.prod(shape[:-1]) >= 128), (op, shape)
+            if mesh.get("attention") == "allgather" and shape == kv and op in ("all-gather", "reduce-scatter"):
+                continue
             assert math.prod(shape) < tokens * 128 // config.mesh.tensor, (op, shape)
+    if mesh.get("attention") == "allgather":  # the one all-gather per layer is the k|v one
+        assert ("all-gather", (kv,)) in hlo.collective_shapes(compiled)
 
 
 def test_chunked_vocab_parallel_loss_adds_one_loop_each_way_with_per_chunk_collectives():
@@ -126,7 +139,7 @@ def test_chunked_vocab_parallel_loss_adds_one_loop_each_way_with_per_chunk_colle
 @pytest.mark.parametrize("mesh,model,train,match", [
     (dict(tensor=4), {}, {}, "num_kv_heads=2: not divisible by mesh.tensor=4"),
     (dict(seq=4), dict(attention="ring"), dict(seq_len=36), r"ring: seq_len=36 is not divisible by 2\*seq=8"),
-    (dict(seq=2), {}, {}, "set attention to 'ulysses' or 'ring'"),
+    (dict(seq=2), {}, {}, "set attention to 'ulysses', 'allgather' or 'ring'"),
     (dict(seq=2, tensor=4), dict(num_kv_heads=4), dict(seq_len=36), r"mesh.seq\*mesh.tensor=8"),
     (dict(tensor=2, seq=4), dict(attention="ulysses"), {}, "ulysses: num_heads=2 is not divisible"),
 ], ids=["kv_heads_vs_tensor", "ring_seq_len", "dense_with_seq", "sp_seq_len", "ulysses_heads"])

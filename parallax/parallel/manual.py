@@ -11,13 +11,14 @@ array is this rank's piece:
 
 For a transformer block (the models in `models/` are examples) that means, per layer: norm on the sharded
 stream, `gather_seq` (all-gather over `tensor`), column-parallel q/k/v, local
-heads attend (`dense` when seq == 1, else Ulysses all-to-alls or ring collective-permutes over `seq`),
-row-parallel out projection, `scatter_seq` (reduce-scatter over `tensor`); the MLP the same way. The loss is
-the vocabulary-parallel cross-entropy sum, summed over `seq` and the batch axes. With ring attention each
-rank's tokens are the zigzag chunks i and 2s-1-i instead of chunk i: positions carry causality and the
-loss is a sum over tokens, so a permutation of the sequence changes nothing else. The batch then enters
-the region whole along T (one small all-gather of the int/weight arrays per step) and each rank cuts its
-own two chunks.
+heads attend (`dense` when seq == 1, else Ulysses all-to-alls, ring collective-permutes or one all-gather
+of k|v over `seq`), row-parallel out projection, `scatter_seq` (reduce-scatter over `tensor`); the MLP the
+same way. The loss is the vocabulary-parallel cross-entropy sum, summed over `seq` and the batch axes. With
+ring or all-gather attention each rank's tokens are the zigzag chunks i and 2s-1-i instead of chunk i:
+positions carry causality and the loss is a sum over tokens, so a permutation of the sequence changes
+nothing else. The batch then enters the region whole along T (one small all-gather of the int/weight arrays
+per step) and each rank cuts its own two chunks; the pipeline lays the batch out before its region instead
+(`parallax.loss`).
 
 Why every axis is manual, data and fsdp too: with a partially manual shard_map (data / fsdp automatic),
 XLA's partitioner all-gathers the batch over `data` around every manual collective, so each data rank
@@ -74,7 +75,7 @@ class Parallelism:
     tensor: int = 1
     seq: int = 1
     expert: int = 1  # expert parallelism (a model declaring "expert"); else the axis is a batch axis only
-    attention_kind: str = "dense"  # dense | ulysses | ring
+    attention_kind: str = "dense"  # dense | ulysses | ring | allgather
     mesh_shape: tuple = ()
     rules: tuple = ()
     attention_block: int = 512  # blockwise attention tile (0: the reference, [T, T] logits)
@@ -153,8 +154,9 @@ class Parallelism:
         return constrain(jnp.take(table, tokens, axis=0).astype(dtype), ("batch", "length", "act_embed"))
 
     def attention(self, q, k, v, segment_ids, positions):
-        """Causal attention within packed documents on this rank's heads: dense when seq == 1, else Ulysses
-        or ring over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) -> [B, T/s, H/t, Dh]."""
+        """Causal attention within packed documents on this rank's heads: dense when seq == 1, else Ulysses,
+        ring or all-gather over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) ->
+        [B, T/s, H/t, Dh]."""
         if self.seq == 1:
             return self._attend(q, k, v, segment_ids, segment_ids, positions, positions)
         if self.attention_kind == "ulysses":
@@ -162,7 +164,10 @@ class Parallelism:
         if self.attention_kind == "ring":
             _log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised)")
             return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq")
-        raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses' or 'ring'")
+        if self.attention_kind == "allgather":
+            return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend)
+        raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses', 'ring' "
+                         f"or 'allgather'")
 
     def _attend(self, q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
         """Full-sequence attention on local heads: blockwise (`attention_block` > 0) or the reference."""
@@ -237,8 +242,8 @@ class Parallelism:
 
     @property
     def zigzag(self) -> bool:
-        """Ring attention's batch enters the region whole along T; each rank cuts its zigzag chunks."""
-        return self.attention_kind == "ring" and self.seq > 1
+        """Ring and all-gather attention take their sequence in the zigzag layout (`sequence.ring_layout`)."""
+        return self.attention_kind in ("ring", "allgather") and self.seq > 1
 
     def local_sequence(self, batch: dict) -> dict:
         """With `zigzag`: [B, T] batch arrays -> this rank's [B, T/s] in the ring layout (chunks i, 2s-1-i)."""

@@ -1,13 +1,14 @@
-"""Sequence-parallel attention: the dense reference, Ulysses and ring attention, and their checks.
+"""Sequence-parallel attention: the dense reference, Ulysses, ring and all-gather attention, and their checks.
 
-Owns attention over a sequence sharded on the `seq` mesh axis. `ulysses_attention` and `ring_attention`
-are called inside a `jax.shard_map` that is manual over `seq` (and usually `tensor`); their inputs are the
-rank's local sequence shard. Both give the same numbers as `attention_reference` (fp32 softmax statistics,
-also for bf16 inputs) on packed documents.
+Owns attention over a sequence sharded on the `seq` mesh axis. `ulysses_attention`, `ring_attention` and
+`allgather_attention` are called inside a `jax.shard_map` that is manual over `seq` (and usually `tensor`);
+their inputs are the rank's local sequence shard. All give the same numbers as `attention_reference` (fp32
+softmax statistics, also for bf16 inputs) on packed documents.
 
-Mask (shared by all three): a query attends a key iff they have the same segment id and
+Mask (shared by all): a query attends a key iff they have the same segment id and
 `kv_position <= q_position`. Causality by positions instead of sequence index makes the mask invariant to
-any permutation of the sequence, so the ring's load-balancing layout needs no mask changes.
+any permutation of the sequence, so the load-balancing (zigzag) layout of ring and all-gather attention
+needs no mask changes.
 
 Communication per call, forward, per device (s = seq axis size, b = bytes per element, T = full sequence,
 K' = kv heads after Ulysses' GQA repeat, max(K, s)):
@@ -16,6 +17,11 @@ K' = kv heads after Ulysses' GQA repeat, max(K, s)):
   Backward: the two all-to-alls again (their transposes).
 - Ring: s-1 steps, each one collective-permute of packed k|v, 2*B*(T/s)*K*Dh*b bytes, and one of packed
   segment ids|positions, 2*B*(T/s)*4 bytes. Backward: s-1 collective-permutes of the k|v cotangents.
+- All-gather: one all-gather of packed k|v, (s-1)/s * 2*B*T*K*Dh*b bytes received; one all-gather of packed
+  segment ids|positions, B*T*2*4 (the same arrays in every layer, so XLA hoists it out of the layer loop).
+  Backward: one reduce-scatter of the k|v cotangents, the same bytes (both in `tensor.reduction_dtype`: b = 4
+  for bf16 on XLA:CPU). Unlike ring attention, an all-gather
+  has replica groups, so it stays within a pipeline rank and runs inside pipeline stages.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from parallax.parallel.tensor import reduction_dtype
 
 # Large finite negative logit for masked pairs: exp(MASK - m) == 0 in fp32, and MASK - MASK == 0 stays
 # finite where -inf would give nan.
@@ -41,7 +49,7 @@ def check_sequence_parallel(attention: str, seq_size: int, num_heads: int, num_k
     if attention == "dense":
         if seq_size != 1:
             raise ValueError(f"attention='dense' with seq axis size {seq_size}: set attention to "
-                             "'ulysses' or 'ring', or set the seq axis size to 1")
+                             "'ulysses', 'allgather' or 'ring', or set the seq axis size to 1")
         return
     if seq_len % seq_size:
         raise ValueError(f"seq_len={seq_len} is not divisible by the seq axis size {seq_size}: "
@@ -49,17 +57,17 @@ def check_sequence_parallel(attention: str, seq_size: int, num_heads: int, num_k
     if attention == "ulysses":
         if num_heads % seq_size:
             raise ValueError(f"ulysses: num_heads={num_heads} is not divisible by the seq axis size "
-                             f"{seq_size}: use a seq size dividing {num_heads} or attention='ring'")
+                             f"{seq_size}: use a seq size dividing {num_heads} or attention='allgather'")
         if num_kv_heads % seq_size and seq_size % num_kv_heads:
             raise ValueError(f"ulysses: num_kv_heads={num_kv_heads} neither divides nor is divisible by "
                              f"the seq axis size {seq_size}: use a seq size that is a multiple or divisor "
-                             f"of {num_kv_heads}, or attention='ring'")
-    elif attention == "ring":
+                             f"of {num_kv_heads}, or attention='allgather'")
+    elif attention in ("ring", "allgather"):
         if seq_len % (2 * seq_size):
-            raise ValueError(f"ring: seq_len={seq_len} is not divisible by 2*seq={2 * seq_size} (zigzag "
+            raise ValueError(f"{attention}: seq_len={seq_len} is not divisible by 2*seq={2 * seq_size} (zigzag "
                              f"layout): use a seq_len that is a multiple of {2 * seq_size}")
     else:
-        raise ValueError(f"unknown attention {attention!r}: use 'dense', 'ulysses' or 'ring'")
+        raise ValueError(f"unknown attention {attention!r}: use 'dense', 'ulysses', 'ring' or 'allgather'")
 
 
 def _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions):
@@ -268,3 +276,34 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
     _, l, o = state
     out = o / jnp.moveaxis(l, 3, 1)[..., None]  # (B, 2c, K, G, Dh)
     return out.reshape(b, tl, h, dh).astype(q.dtype)  # (B, 2c, H, Dh)
+
+
+# ----------------------------------------------------------------------------------------------------
+# All-gather (context parallelism as in Llama 3)
+
+
+def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference):
+    """Local queries attend the whole sequence's keys: one all-gather of k|v over `axis_name` per call.
+
+    Local shards in `ring_layout` order (rank i holds zigzag chunks i and 2s-1-i, so every rank has the
+    same causal work: 2s+1 of the (2s)^2 chunk pairs): q [B, T/s, H, Dh]; k, v [B, T/s, K, Dh];
+    segment_ids, positions [B, T/s]. Returns [B, T/s, H, Dh] in that layout. Any head count works: heads
+    are not split. `attend(q, k, v, q_seg, kv_seg, q_pos, kv_pos)` is the local attention kernel (e.g.
+    `flash.blockwise_attention`); the gathered keys are put back in sequence order first, so a blockwise
+    kernel's key blocks are contiguous position ranges and it skips the causally masked ones.
+
+    Backward is JAX autodiff: the all-gather's transpose, one reduce-scatter of the k|v cotangents. The
+    kernel keeps the gathered [B, T, K, Dh] k and v for the backward (K/H of a full-sequence q's size).
+    """
+    s = jax.lax.axis_size(axis_name)
+    check_sequence_parallel("allgather", s, q.shape[2], k.shape[2], q.shape[1] * s)
+    # In `reduction_dtype` (fp32 for bf16 on XLA:CPU only): the transpose, a reduce-scatter of the k|v
+    # cotangents, would otherwise abort XLA:CPU's compile inside the pipeline executor's switch branches.
+    dt = reduction_dtype(k.dtype)
+    kv = jnp.stack([k, v]).astype(dt)  # (2, B, T/s, K, Dh)
+    kv = jax.lax.all_gather(kv, axis_name, axis=2, tiled=True).astype(k.dtype)  # (2, B, T, K, Dh), zigzag order
+    kv = ring_unlayout(kv, s, axis=2)  # (2, B, T, K, Dh) in sequence order
+    seg_pos = jnp.stack([segment_ids, positions], axis=-1)  # (B, T/s, 2)
+    seg_pos = jax.lax.all_gather(seg_pos, axis_name, axis=1, tiled=True)  # (B, T, 2)
+    seg_pos = ring_unlayout(seg_pos, s, axis=1)  # (B, T, 2)
+    return attend(q, kv[0], kv[1], segment_ids, seg_pos[..., 0], positions, seg_pos[..., 1])  # (B, T/s, H, Dh)
