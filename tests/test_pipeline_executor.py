@@ -16,7 +16,7 @@ import pytest
 
 from helpers import rel_err
 from parallax.pipeline import executor, program
-from parallax.pipeline.schedule import make_schedule
+from parallax.pipeline.schedule import B, BW, F, IDLE, W, make_schedule
 
 VOCAB, D, FF, T, ROWS, LAYERS, M = 32, 16, 32, 4, 8, 8, 4
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
@@ -297,3 +297,89 @@ def test_bf16_model_accumulates_float32_grads():
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     assert rel_err(loss, ref_loss) <= 2e-2  # bf16 weights and activations vs the fp32 model
     assert max(jax.tree.leaves(jax.tree.map(rel_err, grads, ref_grads))) <= 5e-2
+
+
+def _interpret(prog, sched, forward_only):
+    """Runs `prog` on symbolic messages, as the executor's tick does: each rank reads its inbox entry
+    `_IN`, then its output goes to its own entry `_LOCAL` and, through the up / down `ppermute` pairs, to
+    the entries `_FROM_UP` / `_FROM_DOWN` of its neighbours. Checks every read finds the message the action
+    needs; returns the actions run and each message's (rank, arrival tick, last read tick)."""
+    p, last = sched.num_ranks, sched.num_stages - 1
+    code = prog.code.copy()
+    code[..., program._BRANCH] = np.array(prog.branches)[code[..., program._BRANCH]]
+    kinds = {program._F: F, program._F_FIRST: F, program._F_LAST: F, program._B: B, program._B_FIRST: B,
+             program._W: W, program._BW: BW, program._BW_FIRST: BW}
+    inbox = [{} for _ in range(p)]
+    arrived, last_read, ran, carried = {}, {}, [], {"up": set(), "down": set()}
+    for t in range(prog.num_ticks):
+        out = [None] * p
+        for r in range(p):
+            br, mb, c, slot, src, local, _, _ = (int(x) for x in code[t, r])
+            if br == program._IDLE:
+                assert (src, local) == (-1, -1)
+                continue
+            stage = int(sched.stage_of[r, c])
+            kind = kinds[br]  # W has no stage-0 variant: it runs no `first_fn` pullback
+            assert (br in (program._F_FIRST, program._B_FIRST, program._BW_FIRST)) == (stage == 0 and kind != W)
+            assert (br == program._F_LAST) == (stage == last and kind == F), (t, r)
+            ran.append((t, r, kind, mb, c, slot))
+            need = ("x", mb, stage) if kind == F else ("g", mb, stage)
+            if kind != F or stage > 0:
+                assert 0 <= src < prog.inbox_size and inbox[r].get(src) == need, (t, r, src, need, inbox[r])
+                last_read[r, need] = t
+            else:
+                assert src == -1
+            if kind == F:
+                out[r] = ("x", mb, stage + 1) if stage < last else None if forward_only else ("g", mb, stage)
+            elif kind != W and stage > 0:
+                out[r] = ("g", mb, stage - 1)
+        for r in range(p):
+            writes = [(code[t, r, program._LOCAL], r, None)]
+            writes += [(code[t, r, program._FROM_UP], s, "up") for s, d in prog.up_perm if d == r]
+            writes += [(code[t, r, program._FROM_DOWN], s, "down") for s, d in prog.down_perm if d == r]
+            for e, s, way in writes:
+                if e >= 0:
+                    if way:
+                        carried[way].add((s, r))
+                    assert e < prog.inbox_size and out[s] is not None, (t, r, e, s)
+                    inbox[r][int(e)] = out[s]
+                    arrived[r, out[s]] = t
+    return ran, {k: (k[0], arrived[k], last_read.get(k)) for k in arrived}, carried
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+@pytest.mark.parametrize("name,v,p,m", [(n, v, p, m) for n, v in SCHEDULES for p in (2, 4) for m in (4, 8)
+                                        if n != "interleaved_1f1b" or m % p == 0])
+def test_compiled_program_delivers_every_message_to_the_entry_its_reader_reads(name, v, p, m, forward_only):
+    sched = make_schedule(name, p, m, v)
+    prog = executor.compile_schedule(sched, forward_only=forward_only)
+    table = sched.table
+    if forward_only:
+        table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
+        table = table[(table[..., 0] != IDLE).any(axis=1)]
+        assert (table[..., 0] != IDLE).any(axis=1).all() and prog.num_ticks == len(table)
+    assert prog.code.dtype == np.int32 and prog.code.shape == (len(table), p, 8)
+    assert program._IDLE in prog.branches and list(prog.branches) == sorted(set(prog.branches))
+    assert prog.num_slots == sched.num_slots
+    ran, msgs, carried = _interpret(prog, sched, forward_only)
+    # every action of the table runs, at its tick and rank, on its microbatch, chunk and slot
+    expected = [(int(t), int(r), *(int(x) for x in table[t, r])) for t, r in np.argwhere(table[..., 0] != IDLE)]
+    assert sorted(ran) == sorted(expected)
+    # the branches used are exactly those of the actions that run
+    used = set(np.array(prog.branches)[prog.code[..., program._BRANCH]].ravel().tolist())
+    assert set(prog.branches) == used | {program._IDLE}
+    # every message is read after it arrives, and only pairs that carry a message are permuted
+    assert all(u is not None and u > a for _, a, u in msgs.values())
+    assert set(prog.up_perm) == carried["up"] and set(prog.down_perm) == carried["down"]
+    assert all(d == (s + 1) % p for s, d in prog.up_perm) and all(d == (s - 1) % p for s, d in prog.down_perm)
+    assert list(prog.up_perm) == sorted(prog.up_perm) and list(prog.down_perm) == sorted(prog.down_perm)
+    # the inbox is as small as the messages live at once allow (an entry read at tick u is free at its end)
+    live = max(sum(a <= t < u for (r, _), (_, a, u) in msgs.items() if r == rank)
+               for rank in range(p) for t in range(prog.num_ticks))
+    assert prog.inbox_size == max(live, 1 if msgs else 0)
+
+
+def test_compile_schedule_refuses_a_one_stage_schedule():
+    with pytest.raises(ValueError, match=r"^1f1b: the pipeline executor needs at least 2 stages, got 1; "
+                                         r"use pipe >= 2 or call jax.value_and_grad directly$"):
+        executor.compile_schedule(make_schedule("1f1b", 1, 4))
