@@ -39,6 +39,14 @@ def test_muon_dims_follow_the_logical_names():
     assert dims(("layers", "embed", "mlp"), exclude=("mlp",)) is None  # optim.muon_exclude
 
 
+def test_weight_decay_applies_to_matrices_only():
+    names = {"wq": ("layers", "embed", "heads", "head_dim"), "w_up": ("layers", "experts", "embed", "mlp"),
+             "embedding": ("vocab", "embed"), "norm": ("layers", "norm"), "final_norm": ("embed",),
+             "q_bias": ("layers", "heads", "head_dim"), "expert_bias": ("layers", "experts", "mlp")}
+    assert optim.decay_mask(names) == {"wq": True, "w_up": True, "embedding": True, "norm": False,
+                                       "final_norm": False, "q_bias": False, "expert_bias": False}
+
+
 def _params_and_grads(config, steps=5):
     """Tiny Llama params and `steps` fixed random gradient trees (fp32) of the same shapes."""
     trainer = Trainer(config, devices=jax.devices()[:1])
