@@ -115,6 +115,24 @@ def test_bad_optimizer_settings_are_one_line_errors():
             make_plan(config, 8)
 
 
+def test_optimizer_settings_are_checked_at_their_range_boundaries():
+    def error(**settings):
+        config = tiny_config(data=8)
+        config.optim.update(settings)
+        try:
+            optim.check(config.optim)
+        except ConfigError as e:
+            return str(e)
+    for ok in [dict(muon_scale="width"), dict(muon_scale="rms"), dict(wsd_decay_fraction=1.0),
+               dict(wsd_decay_fraction=1e-3), dict(muon_ns_steps=1), dict(muon_beta=0.0), dict(muon_beta=0.999)]:
+        assert error(**ok) is None, ok
+    assert error(wsd_decay_fraction=0.0) == error(wsd_decay_fraction=1.5).replace("1.5", "0.0") == (
+        "config.optim.wsd_decay_fraction=0.0: expected a fraction in (0, 1]")
+    for bad in [dict(muon_ns_steps=0), dict(muon_beta=1.0), dict(muon_beta=1.5), dict(muon_beta=-0.1)]:
+        assert error(**bad).startswith("config.optim: muon_ns_steps="), bad
+    assert error(muon_scale="WIDTH") == "config.optim.muon_scale='WIDTH': expected one of rms, width"
+
+
 @pytest.mark.parametrize("correction", ["none", "error_feedback"])
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_grad_delay_applies_each_gradient_one_step_late(name, correction):
