@@ -4,6 +4,7 @@ Toy model: embedding (vocab 32, d 16) -> L residual MLP layers (`x + mask * tanh
 the mask comes from the microbatch inputs) -> rms norm + linear head + weighted softmax cross-entropy
 normalised by the global weight sum.
 """
+import dataclasses
 import functools
 import re
 
@@ -315,8 +316,8 @@ def _interpret(prog, sched, forward_only):
         out = [None] * p
         for r in range(p):
             br, mb, c, slot, src, local, _, _ = (int(x) for x in code[t, r])
-            if br == program._IDLE:
-                assert (src, local) == (-1, -1)
+            if br == program._IDLE:  # reads nothing; its microbatch / chunk / slot are valid indices (0)
+                assert (mb, c, slot, src, local) == (0, 0, 0, -1, -1)
                 continue
             stage = int(sched.stage_of[r, c])
             kind = kinds[br]  # W has no stage-0 variant: it runs no `first_fn` pullback
@@ -383,3 +384,33 @@ def test_compile_schedule_refuses_a_one_stage_schedule():
     with pytest.raises(ValueError, match=r"^1f1b: the pipeline executor needs at least 2 stages, got 1; "
                                          r"use pipe >= 2 or call jax.value_and_grad directly$"):
         executor.compile_schedule(make_schedule("1f1b", 1, 4))
+
+
+def _edited(sched, **fields):
+    return dataclasses.replace(sched, **{k: np.array(v) for k, v in fields.items()})
+
+
+def test_compile_schedule_refuses_a_message_read_too_early_or_never_or_by_a_far_rank():
+    sched = make_schedule("gpipe", 2, 2)
+    fix = "; run parallax.pipeline.schedule.validate on the schedule and fix what it reports"
+    # rank 1's forward of microbatch 0 moved to the tick its input is produced in
+    table = sched.table.copy()
+    (t,), = np.argwhere((table[:, 1, 0] == F) & (table[:, 1, 1] == 0))
+    table[t - 1, 1], table[t, 1] = table[t, 1], [IDLE, -1, -1, -1]
+    with pytest.raises(ValueError, match=rf"^gpipe: \('x', 0, 1\) is produced at tick {t - 1} but used at tick "
+                                         rf"{t - 1}{re.escape(fix)}$"):
+        executor.compile_schedule(_edited(sched, table=table))
+    # rank 0's backward of microbatch 1 dropped: the cotangent rank 1 sends it is never read
+    table = sched.table.copy()
+    (t0,), = np.argwhere((table[:, 0, 0] == BW) & (table[:, 0, 1] == 1))
+    (t1,), = np.argwhere((table[:, 1, 0] == BW) & (table[:, 1, 1] == 1))
+    table[t0, 0] = [IDLE, -1, -1, -1]
+    with pytest.raises(ValueError, match=rf"^gpipe: \('g', 1, 0\) is produced at tick {t1} but used at tick -1"
+                                         rf"{re.escape(fix)}$"):
+        executor.compile_schedule(_edited(sched, table=table))
+    # stages 1 and 2 of a 4-rank 1f1b swapped between ranks 1 and 2: rank 0 feeds rank 2
+    sched = make_schedule("1f1b", 4, 4)
+    order = [0, 2, 1, 3]
+    with pytest.raises(ValueError, match=r"^1f1b: stage 1 on rank 2 takes input from rank 0, which is not a "
+                                         r"neighbour; place consecutive stages on neighbouring ranks$"):
+        executor.compile_schedule(_edited(sched, table=sched.table[:, order], stage_of=sched.stage_of[order]))
