@@ -238,3 +238,59 @@ def test_sigkill_then_rerun_logs_each_step_once(tmp_path):
     assert rerun.returncode == 0, rerun.stderr
     assert [step for step, _ in _losses(workdir)] == list(range(1, logged + 3))
     assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if "orbax-checkpoint-tmp" in n]
+
+
+def test_checkpointer_saves_on_the_interval_keeps_the_latest_and_restores_onto_the_abstract_state(tmp_path,
+                                                                                                 monkeypatch):
+    import jax
+    import numpy as np
+    from absl import logging
+
+    from parallax.checkpoint import Checkpointer
+
+    def state(step):
+        return {"w": np.arange(6, dtype=np.float32).reshape(2, 3) * step, "step": np.int32(step)}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(0))
+    monkeypatch.chdir(tmp_path)  # a relative workdir is made absolute for Orbax
+    ckpt = Checkpointer("ckpt", every=2, keep=2, async_save=False)
+    assert ckpt.directory == tmp_path / "ckpt" and ckpt.every == 2 and ckpt.latest_step() is None
+    saved = [ckpt.maybe_save(step, state(step)) for step in range(1, 8)]
+    assert saved == [False, True, False, True, False, True, False]
+    assert ckpt.maybe_save(7, state(7), force=True)
+    assert ckpt.latest_step() == 7 and sorted(ckpt.manager.all_steps()) == [6, 7]  # keep=2
+    assert not ckpt.reached_preemption(8)
+    level = logging.get_verbosity()
+    out = ckpt.restore(abstract)  # default: the latest step
+    assert logging.get_verbosity() == level  # `_quiet` puts the verbosity back
+    np.testing.assert_array_equal(out["w"], state(7)["w"])
+    assert int(out["step"]) == 7
+    out = ckpt.restore(abstract, step=6)
+    assert int(out["step"]) == 6 and out["w"].dtype == np.float32
+    np.testing.assert_array_equal(out["w"], state(6)["w"])
+    ckpt.close()
+
+    # every=0: only a forced (or preemption) save
+    never = Checkpointer(tmp_path / "never", every=0, keep=1, async_save=False)
+    assert not any(never.maybe_save(step, state(step)) for step in range(1, 5)) and never.latest_step() is None
+    never.close()
+    # a step that cannot be read is one ConfigError line naming the step directory and the fix
+    wrong = {**abstract, "missing": jax.ShapeDtypeStruct((2,), np.float32)}  # not this run's state
+    reader = Checkpointer(tmp_path / "ckpt", every=2, keep=2, cleanup=False)
+    import orbax.checkpoint as ocp
+    try:  # Orbax's own error: the message names its type and first line
+        reader.manager.restore(6, args=ocp.args.StandardRestore(wrong))
+    except Exception as e:  # noqa: BLE001
+        cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    with pytest.raises(ConfigError) as e:
+        reader.restore(wrong, step=6)
+    assert str(e.value) == (f"checkpoint {tmp_path / 'ckpt' / '6'} cannot be restored ({cause}); it is corrupt or "
+                            "from another run: move that step directory away to resume from an earlier one, or "
+                            "use a new --workdir")
+    reader.close()
+    each = Checkpointer(tmp_path / "each", every=1, keep=3, async_save=False)
+    assert all(each.maybe_save(step, state(step)) for step in range(3)) and each.latest_step() == 2
+    each.close()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path / 'file'))}: is a file, not a checkpoint "
+                                          r"directory; move it away or use a new --workdir$"):
+        Checkpointer(tmp_path / "file", every=1, keep=1)

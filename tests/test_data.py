@@ -164,6 +164,18 @@ def test_short_eval_stream_is_padded_with_zero_weight(tmp_path):
     np.testing.assert_array_equal(batch["positions"][0][:11], list(range(5)) + list(range(6)))
     assert batch["inputs"][0][:11].astype(np.uint8).tobytes() == b"helloworld!"
     assert batch["weights"][0].sum() == 4 + 5
+    # past the stream's end every field is 0 (the targets from the 11th, the last real input's target)
+    for key, real in [("inputs", 11), ("targets", 10), ("positions", 11), ("segment_ids", 11), ("weights", 10)]:
+        assert not batch[key][0][real:].any(), key
+    assert batch["targets"][0][:10].astype(np.uint8).tobytes() == b"elloworld!"
+    # a stream of exactly seq_len tokens has one start (offset 0) under both samplers; the target of its
+    # last input is padding
+    for sampler in ("random", "epoch"):
+        exact = data.Dataset(ds.source, 16, 2, 256, 0, {"train": ds.streams["train"], "eval": data._Stream(
+            ds.streams["train"].tokens[:16], np.array([0]))}, sampler)
+        rows = exact.batch(3, "eval")
+        np.testing.assert_array_equal(rows["inputs"], np.tile(ds.streams["train"].tokens[:16], (2, 1)))
+        np.testing.assert_array_equal(rows["weights"][:, -1], [0, 0])
 
 
 def test_train_stream_shorter_than_a_row_is_an_error(tmp_path):
@@ -251,6 +263,24 @@ def test_token_errors_name_the_bad_file_contents(tmp_path):
     empty_dir.mkdir()
     with pytest.raises(data.DataError, match=r"has no training documents"):
         data.make_dataset("text", str(empty_dir), seq_len=4, global_batch_size=2, seed=0, vocab_size=256)
+
+
+def test_batch_arguments_outside_their_range_are_one_line_data_errors(synthetic):
+    for kwargs, message in [
+            (dict(process_index=2, process_count=2), "process_index=2 is outside [0, 2); pass jax.process_index()"),
+            (dict(process_index=-1), "process_index=-1 is outside [0, 1); pass jax.process_index()"),
+            (dict(step=-1), "step=-1 is negative; steps count from 0"),
+            (dict(rows=(3, 3)), "rows=(3, 3) is not a row range of the global batch of 8"),
+            (dict(rows=(4, 9)), "rows=(4, 9) is not a row range of the global batch of 8")]:
+        with pytest.raises(data.DataError) as e:
+            synthetic.batch(kwargs.pop("step", 0), **kwargs)
+        assert str(e.value) == message
+    assert synthetic.batch(0, process_index=1, process_count=2)["inputs"].shape[0] == 4
+    assert synthetic.batch(0, rows=(7, 8))["inputs"].shape[0] == 1
+
+
+def test_a_stream_shorter_than_two_rows_still_has_one_window():
+    assert data._num_windows(5, 8) == data._num_windows(9, 8) == 1 and data._num_windows(17, 8) == 2
 
 
 def test_indivisible_batch_and_missing_eval_raise_data_error(synthetic, tmp_path):

@@ -39,6 +39,14 @@ def test_muon_dims_follow_the_logical_names():
     assert dims(("layers", "embed", "mlp"), exclude=("mlp",)) is None  # optim.muon_exclude
 
 
+def test_weight_decay_applies_to_matrices_only():
+    names = {"wq": ("layers", "embed", "heads", "head_dim"), "w_up": ("layers", "experts", "embed", "mlp"),
+             "embedding": ("vocab", "embed"), "norm": ("layers", "norm"), "final_norm": ("embed",),
+             "q_bias": ("layers", "heads", "head_dim"), "expert_bias": ("layers", "experts", "mlp")}
+    assert optim.decay_mask(names) == {"wq": True, "w_up": True, "embedding": True, "norm": False,
+                                       "final_norm": False, "q_bias": False, "expert_bias": False}
+
+
 def _params_and_grads(config, steps=5):
     """Tiny Llama params and `steps` fixed random gradient trees (fp32) of the same shapes."""
     trainer = Trainer(config, devices=jax.devices()[:1])
@@ -95,6 +103,26 @@ def test_lr_schedules_warm_up_then_follow_their_shape(schedule):
         assert float(optim.lr_schedule(config.optim, 100)(100)) == pytest.approx(0.1)
 
 
+def test_lr_schedule_edges_no_warmup_a_one_step_decay_and_decay_steps_0():
+    def lr_at(steps, total=100, **settings):
+        config = tiny_config()
+        config.optim.update(lr=1.0, min_lr_ratio=0.1, **settings)
+        lr = optim.lr_schedule(config.optim, total)
+        return [float(lr(s)) for s in steps]
+    cos = dict(schedule="cosine", warmup_steps=10)
+    assert 0.2 < lr_at([55], decay_steps=100, **cos)[0] < 0.9  # on the way down the cosine
+    mid, last = lr_at([100, 200], total=200, decay_steps=0, **cos)  # decay_steps=0: decays over train.steps
+    assert 0.2 < mid < 0.9 and last == pytest.approx(0.1)
+    assert lr_at([10, 11], decay_steps=10, **cos) == pytest.approx([1.0, 0.1])  # no steps left: 1-step decay
+    for schedule in ("wsd", "constant"):  # no warmup: lr from step 0; a 1-step warmup reaches lr at step 1
+        assert lr_at([0, 50], schedule=schedule, warmup_steps=0, decay_steps=100) == [1.0, 1.0], schedule
+        assert lr_at([0, 1], schedule=schedule, warmup_steps=1, decay_steps=100) == [0.0, 1.0], schedule
+    wsd = dict(schedule="wsd", warmup_steps=10)
+    # a fraction rounding to 0 steps still decays, over one step; so does a run with no steps after warmup
+    assert lr_at([99, 100], decay_steps=100, wsd_decay_fraction=1e-3, **wsd) == pytest.approx([1.0, 0.1])
+    assert lr_at([10, 11], decay_steps=10, wsd_decay_fraction=0.2, **wsd) == pytest.approx([1.0, 0.1])
+
+
 def test_bad_optimizer_settings_are_one_line_errors():
     for key, value, match in [("name", "sgd", "expected one of adamw, muon"), ("grad_delay", 2, "expected 0 or 1"),
                               ("schedule", "linear", "expected one of cosine, wsd, constant"),
@@ -105,6 +133,24 @@ def test_bad_optimizer_settings_are_one_line_errors():
         config.optim[key] = value
         with pytest.raises(ConfigError, match=match):
             make_plan(config, 8)
+
+
+def test_optimizer_settings_are_checked_at_their_range_boundaries():
+    def error(**settings):
+        config = tiny_config(data=8)
+        config.optim.update(settings)
+        try:
+            optim.check(config.optim)
+        except ConfigError as e:
+            return str(e)
+    for ok in [dict(muon_scale="width"), dict(muon_scale="rms"), dict(wsd_decay_fraction=1.0),
+               dict(wsd_decay_fraction=1e-3), dict(muon_ns_steps=1), dict(muon_beta=0.0), dict(muon_beta=0.999)]:
+        assert error(**ok) is None, ok
+    assert error(wsd_decay_fraction=0.0) == error(wsd_decay_fraction=1.5).replace("1.5", "0.0") == (
+        "config.optim.wsd_decay_fraction=0.0: expected a fraction in (0, 1]")
+    for bad in [dict(muon_ns_steps=0), dict(muon_beta=1.0), dict(muon_beta=1.5), dict(muon_beta=-0.1)]:
+        assert error(**bad).startswith("config.optim: muon_ns_steps="), bad
+    assert error(muon_scale="WIDTH") == "config.optim.muon_scale='WIDTH': expected one of rms, width"
 
 
 @pytest.mark.parametrize("correction", ["none", "error_feedback"])

@@ -255,6 +255,42 @@ def test_vocab_parallel_cross_entropy_matches_dense_loss_and_grads(t):
     _assert_close(grad, jax.grad(_dense_ce)(logits, targets, weights))
 
 
+def _np_ce(logits, targets, weights):
+    """float64 numpy reference: sum of weights * (logsumexp - target logit)."""
+    x = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)
+    m = x.max(-1, keepdims=True)
+    logz = np.log(np.exp(x - m).sum(-1)) + m[..., 0]
+    return float(np.sum((logz - np.take_along_axis(x, np.asarray(targets)[..., None], -1)[..., 0])
+                        * np.asarray(weights, np.float64)))
+
+
+def test_cross_entropy_on_bf16_inputs_is_computed_in_fp32():
+    rng = np.random.default_rng(500)
+    logits = (4.0 * _normal(rng, (B, 8, VOCAB))).astype(jnp.bfloat16)
+    targets, _ = _vocab_inputs(rng)
+    weights = jnp.asarray(rng.uniform(0.5, 2.0, size=targets.shape), jnp.bfloat16)
+    want = _np_ce(logits, targets, weights)
+    dense = vocab.cross_entropy_sum(logits, targets, weights)
+    assert dense.dtype == jnp.float32 and dense.shape == ()
+    np.testing.assert_allclose(float(dense), want, rtol=1e-6)
+    got = jax.jit(_vocab_ce(_mesh("tensor", 4)))(logits, targets, weights)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scatter_axis", [1, None])
+def test_vocab_parallel_embed_of_a_bf16_table_returns_its_exact_bf16_rows(scatter_axis):
+    rng = np.random.default_rng(600)
+    table = _normal(rng, (VOCAB, D)).astype(jnp.bfloat16)
+    tokens, _ = _vocab_inputs(rng)
+    fn = jax.shard_map(lambda tb, tok: vocab.vocab_parallel_embed(tb, tok, scatter_axis=scatter_axis),
+                       mesh=_mesh("tensor", 4), in_specs=(P("tensor"), P()),
+                       out_specs=P() if scatter_axis is None else P(None, "tensor"))
+    got = jax.jit(fn)(table, tokens)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(table[tokens], np.float32))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Collectives in the compiled programs
 

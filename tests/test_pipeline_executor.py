@@ -4,6 +4,7 @@ Toy model: embedding (vocab 32, d 16) -> L residual MLP layers (`x + mask * tanh
 the mask comes from the microbatch inputs) -> rms norm + linear head + weighted softmax cross-entropy
 normalised by the global weight sum.
 """
+import dataclasses
 import functools
 import re
 
@@ -16,7 +17,7 @@ import pytest
 
 from helpers import rel_err
 from parallax.pipeline import executor, program, work
-from parallax.pipeline.schedule import make_schedule
+from parallax.pipeline.schedule import B, BW, F, IDLE, W, make_schedule
 
 VOCAB, D, FF, T, ROWS, LAYERS, M = 32, 16, 32, 4, 8, 8, 4
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
@@ -351,3 +352,119 @@ def test_messages_moved_are_the_ones_the_schedule_uses(name, v, p):
             receivers = set(np.flatnonzero(prog.code[t, :, field] >= 0).tolist())
             pairs = set(patterns[i - 1]) if i else set()
             assert {dst for _, dst in pairs} == receivers and all(src == (dst + shift) % p for src, dst in pairs)
+
+
+def _interpret(prog, sched, forward_only):
+    """Runs `prog` on symbolic messages, as the executor's tick does: each rank reads its inbox entry
+    `_IN`, then its output goes to its own entry `_LOCAL` and, through the up / down `ppermute` pairs, to
+    the entries `_FROM_UP` / `_FROM_DOWN` of its neighbours. Checks every read finds the message the action
+    needs; returns the actions run and each message's (rank, arrival tick, last read tick)."""
+    p, last = sched.num_ranks, sched.num_stages - 1
+    code = prog.code.copy()
+    code[..., program._BRANCH] = np.array(prog.branches)[code[..., program._BRANCH]]
+    kinds = {program._F: F, program._F_FIRST: F, program._F_LAST: F, program._B: B, program._B_FIRST: B,
+             program._W: W, program._BW: BW, program._BW_FIRST: BW}
+    inbox = [{} for _ in range(p)]
+    arrived, last_read, ran, carried = {}, {}, [], {"up": set(), "down": set()}
+    for t in range(prog.num_ticks):
+        out = [None] * p
+        for r in range(p):
+            br, mb, c, slot, src, local, _, _ = (int(x) for x in code[t, r])
+            if br == program._IDLE:  # reads nothing; its microbatch / chunk / slot are valid indices (0)
+                assert (mb, c, slot, src, local) == (0, 0, 0, -1, -1)
+                continue
+            stage = int(sched.stage_of[r, c])
+            kind = kinds[br]  # W has no stage-0 variant: it runs no `first_fn` pullback
+            assert (br in (program._F_FIRST, program._B_FIRST, program._BW_FIRST)) == (stage == 0 and kind != W)
+            assert (br == program._F_LAST) == (stage == last and kind == F), (t, r)
+            ran.append((t, r, kind, mb, c, slot))
+            need = ("x", mb, stage) if kind == F else ("g", mb, stage)
+            if kind != F or stage > 0:
+                assert 0 <= src < prog.inbox_size and inbox[r].get(src) == need, (t, r, src, need, inbox[r])
+                last_read[r, need] = t
+            else:
+                assert src == -1
+            if kind == F:
+                out[r] = ("x", mb, stage + 1) if stage < last else None if forward_only else ("g", mb, stage)
+            elif kind != W and stage > 0:
+                out[r] = ("g", mb, stage - 1)
+        for r in range(p):
+            writes = [(code[t, r, program._LOCAL], r, None)]
+            writes += [(code[t, r, program._FROM_UP], s, "up") for s, d in prog.up_perm if d == r]
+            writes += [(code[t, r, program._FROM_DOWN], s, "down") for s, d in prog.down_perm if d == r]
+            for e, s, way in writes:
+                if e >= 0:
+                    if way:
+                        carried[way].add((s, r))
+                    assert e < prog.inbox_size and out[s] is not None, (t, r, e, s)
+                    inbox[r][int(e)] = out[s]
+                    arrived[r, out[s]] = t
+    return ran, {k: (k[0], arrived[k], last_read.get(k)) for k in arrived}, carried
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+@pytest.mark.parametrize("name,v,p,m", [(n, v, p, m) for n, v in SCHEDULES for p in (2, 4) for m in (4, 8)
+                                        if n != "interleaved_1f1b" or m % p == 0])
+def test_compiled_program_delivers_every_message_to_the_entry_its_reader_reads(name, v, p, m, forward_only):
+    sched = make_schedule(name, p, m, v)
+    prog = executor.compile_schedule(sched, forward_only=forward_only)
+    table = sched.table
+    if forward_only:
+        table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
+        table = table[(table[..., 0] != IDLE).any(axis=1)]
+        assert (table[..., 0] != IDLE).any(axis=1).all() and prog.num_ticks == len(table)
+    assert prog.code.dtype == np.int32 and prog.code.shape == (len(table), p, 8)
+    assert program._IDLE in prog.branches and list(prog.branches) == sorted(set(prog.branches))
+    assert prog.num_slots == sched.num_slots
+    ran, msgs, carried = _interpret(prog, sched, forward_only)
+    # every action of the table runs, at its tick and rank, on its microbatch, chunk and slot
+    expected = [(int(t), int(r), *(int(x) for x in table[t, r])) for t, r in np.argwhere(table[..., 0] != IDLE)]
+    assert sorted(ran) == sorted(expected)
+    # the branches used are exactly those of the actions that run
+    used = set(np.array(prog.branches)[prog.code[..., program._BRANCH]].ravel().tolist())
+    assert set(prog.branches) == used | {program._IDLE}
+    # every message is read after it arrives, and only pairs that carry a message are permuted
+    assert all(u is not None and u > a for _, a, u in msgs.values())
+    assert set(prog.up_perm) == carried["up"] and set(prog.down_perm) == carried["down"]
+    assert all(d == (s + 1) % p for s, d in prog.up_perm) and all(d == (s - 1) % p for s, d in prog.down_perm)
+    assert list(prog.up_perm) == sorted(prog.up_perm) and list(prog.down_perm) == sorted(prog.down_perm)
+    # the inbox is as small as the messages live at once allow (an entry read at tick u is free at its end)
+    live = max(sum(a <= t < u for (r, _), (_, a, u) in msgs.items() if r == rank)
+               for rank in range(p) for t in range(prog.num_ticks))
+    assert prog.inbox_size == max(live, 1 if msgs else 0)
+
+
+def test_compile_schedule_refuses_a_one_stage_schedule():
+    with pytest.raises(ValueError, match=r"^1f1b: the pipeline executor needs at least 2 stages, got 1; "
+                                         r"use pipe >= 2 or call jax.value_and_grad directly$"):
+        executor.compile_schedule(make_schedule("1f1b", 1, 4))
+
+
+def _edited(sched, **fields):
+    return dataclasses.replace(sched, **{k: np.array(v) for k, v in fields.items()})
+
+
+def test_compile_schedule_refuses_a_message_read_too_early_or_never_or_by_a_far_rank():
+    sched = make_schedule("gpipe", 2, 2)
+    fix = "; run parallax.pipeline.schedule.validate on the schedule and fix what it reports"
+    # rank 1's forward of microbatch 0 moved to the tick its input is produced in
+    table = sched.table.copy()
+    (t,), = np.argwhere((table[:, 1, 0] == F) & (table[:, 1, 1] == 0))
+    table[t - 1, 1], table[t, 1] = table[t, 1], [IDLE, -1, -1, -1]
+    with pytest.raises(ValueError, match=rf"^gpipe: \('x', 0, 1\) is produced at tick {t - 1} but used at tick "
+                                         rf"{t - 1}{re.escape(fix)}$"):
+        executor.compile_schedule(_edited(sched, table=table))
+    # rank 0's backward of microbatch 1 dropped: the cotangent rank 1 sends it is never read
+    table = sched.table.copy()
+    (t0,), = np.argwhere((table[:, 0, 0] == BW) & (table[:, 0, 1] == 1))
+    (t1,), = np.argwhere((table[:, 1, 0] == BW) & (table[:, 1, 1] == 1))
+    table[t0, 0] = [IDLE, -1, -1, -1]
+    with pytest.raises(ValueError, match=rf"^gpipe: \('g', 1, 0\) is produced at tick {t1} but used at tick -1"
+                                         rf"{re.escape(fix)}$"):
+        executor.compile_schedule(_edited(sched, table=table))
+    # stages 1 and 2 of a 4-rank 1f1b swapped between ranks 1 and 2: rank 0 feeds rank 2
+    sched = make_schedule("1f1b", 4, 4)
+    order = [0, 2, 1, 3]
+    with pytest.raises(ValueError, match=r"^1f1b: stage 1 on rank 2 takes input from rank 0, which is not a "
+                                         r"neighbour; place consecutive stages on neighbouring ranks$"):
+        executor.compile_schedule(_edited(sched, table=sched.table[:, order], stage_of=sched.stage_of[order]))
