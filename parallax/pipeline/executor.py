@@ -1,9 +1,11 @@
 """The pipeline executor: runs a schedule table as one `lax.scan` over ticks inside a `jax.shard_map`.
 
 `compile_schedule` (`program.py`) lowers a `Schedule` (numpy, ahead of time) into per-tick, per-rank
-integer instructions. `pipeline_value_and_grad` runs those instructions: every tick each rank `lax.switch`es on its branch,
-then two fixed `ppermute`s (+1 ring "up", -1 ring "down", only the pairs the schedule uses) move the
-tick's outputs to the neighbour ranks. `to_pipeline_layout` / `from_pipeline_layout` move stacked layer
+integer instructions. `pipeline_value_and_grad` runs those instructions: every tick each rank `lax.switch`es
+on its branch, then the tick's outputs move to the neighbour ranks (+1 ring "up", -1 ring "down") by one
+`ppermute` per distinct set of sending pairs, run only on the ticks that use it (`Program.send_patterns`).
+With `layer_fn` a chunk is run layer by layer and a split backward partitions each layer's pullback
+(`split.py`), so B + W does the work of one fused BW. `to_pipeline_layout` / `from_pipeline_layout` move stacked layer
 weights `[L, ...]` to the executor's `[p, v, L / (p * v), ...]` layout and back.
 
 Axis names: `pipe` (ranks), and the batch axes (`data`, `fsdp` by default) over which microbatch rows
