@@ -15,11 +15,11 @@ from absl import app, flags  # noqa: E402
 from launch.common import plain_cli  # noqa: E402
 
 from parallax.pipeline.render import render_png, render_summary  # noqa: E402
-from parallax.pipeline.schedule import SCHEDULES, make_schedule  # noqa: E402
+from parallax.pipeline.schedule import SCHEDULES, STEADY_SCHEDULES, make_schedule  # noqa: E402
 from parallax.pipeline.simulate import parse_costs  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("schedule", "1f1b", f"one of {', '.join(SCHEDULES)}")
+flags.DEFINE_string("schedule", "1f1b", f"one of {', '.join([*SCHEDULES, *STEADY_SCHEDULES])}")
 flags.DEFINE_integer("stages", 4, "pipeline ranks p")
 flags.DEFINE_integer("microbatches", 8, "microbatches m")
 flags.DEFINE_integer("virtual", 1, "chunks per rank v (interleaved_1f1b; zbv always uses 2)")

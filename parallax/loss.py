@@ -17,6 +17,10 @@ the global aux sums for metrics; eval reports the model's loss alone.
   stacked blocks go to the executor in its [p, v, L/(p*v), ...] layout. Layers with aux values add their
   aux loss to the loss in each chunk's forward, and their stats come back per stage. Eval runs
   the executor's F ticks only (`pipeline_loss`), so it works on every mesh training works on.
+
+The steady schedule `2bw` has no flush, so one batch's loss and gradients span two steps: the trainer
+calls `steady_step` (the executor's `pipeline_steady_step`), while `sum` and `sum_and_grads` run the 1F1B
+schedule of the same shape (an evaluation, a synchronous gradient for the tools).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from parallax.parallel import sequence
 from parallax.parallel.manual import DENSE, MODEL_AXES, shard_loss
 from parallax.plan import abstract_batch
 from parallax.pipeline import executor
+from parallax.pipeline.schedule import make_schedule
 
 
 class LossPath:
@@ -39,6 +44,9 @@ class LossPath:
 
     def __init__(self, plan, mesh):
         self.plan, self.mesh = plan, mesh
+        self.schedule = plan.schedule  # what `sum` and `sum_and_grads` run: a flushing schedule
+        if plan.schedule is not None and plan.schedule.steady:
+            self.schedule = make_schedule("1f1b", plan.schedule.num_ranks, plan.schedule.num_microbatches)
         if plan.schedule is not None:
             self.kind = "pipelined"
         elif plan.parallelism.manual:
@@ -49,7 +57,7 @@ class LossPath:
     def sum(self, params, batch):
         """Weighted loss sum over the global batch (forward only), without the layers' aux losses."""
         if self.kind == "pipelined":
-            return executor.pipeline_loss(self.plan.schedule, **self._pipeline_args(params, batch))
+            return executor.pipeline_loss(self.schedule, **self._pipeline_args(params, batch))
         return self._unpipelined_terms(params, batch)[0]
 
     def sum_and_grads(self, params, batch):
@@ -139,7 +147,7 @@ class LossPath:
         that stays 1/fsdp the size. The first / last stage parts (embedding, head) enter whole over FSDP
         (the compiler gathers them once per step, outside the loop).
         """
-        plan, schedule = self.plan, self.plan.schedule
+        plan = self.plan
         par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
         stage_aux = self._stage_aux()
         stage_par = self._stage_parallelism()
@@ -179,15 +187,45 @@ class LossPath:
         stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), stage_par.param_specs(plan.logical["blocks"]))
         return dict(
             first_fn=first_fn, layer_fn=layer_fn, last_fn=last_fn,
-            params={"first": _subtree(rest, first_keys), "stages": executor.to_pipeline_layout(params["blocks"], schedule),
+            params={"first": _subtree(rest, first_keys), "stages": executor.to_pipeline_layout(params["blocks"], self.schedule),
                     "last": _subtree(rest, last_keys)},
-            inputs=self.split_microbatches(laid_out, schedule.num_microbatches), mesh=self.mesh,
+            inputs=self.split_microbatches(laid_out, self.schedule.num_microbatches), mesh=self.mesh,
             batch_axes=plan.batch_axes, param_specs={"first": _subtree(rest_specs, first_keys), "stages": stage_specs,
                                                      "last": _subtree(rest_specs, last_keys)},
             input_spec=P("seq") if par.seq > 1 else P(), stage_aux=stage_aux)
 
-    def _pipeline_sum_and_grads(self, params, batch):
+    def steady_step(self, previous, params, previous_batch, batch, inflight):
+        """One step of the steady schedule (2bw): `((loss sum, grads) of the previous batch's part run in
+        this step, (loss sum, grads) of this batch's part, inflight)`; `previous` are the weights the
+        previous batch's forwards used. Gradients are fp32, in the layout of `params`."""
         schedule = self.plan.schedule
+        prev, cur = self._pipeline_args(previous, previous_batch), self._pipeline_args(params, batch)
+        if cur.pop("stage_aux"):
+            raise ValueError("the 2bw schedule does not run layers with aux values (MoE) yet; use 1f1b or zbv")
+        inputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), prev["inputs"], cur["inputs"])
+        parts = executor.pipeline_steady_step(
+            schedule, remat=bool(self.plan.config.pipeline.remat), previous=prev["params"], inflight=inflight,
+            **{**cur, "inputs": inputs})
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+
+        def unstage(grads):
+            return {**_combine(rest, grads["first"], grads["last"]),
+                    "blocks": executor.from_pipeline_layout(grads["stages"], schedule)}
+        return (parts[0][0], unstage(parts[0][1])), (parts[1][0], unstage(parts[1][1])), parts[2]
+
+    def steady_manual_axes(self) -> tuple:
+        """The mesh axes `steady_step`'s in-flight leaves are split over (their leading dim)."""
+        found = []
+
+        def trace(params, batch):
+            args = self._pipeline_args(params, batch)
+            found.append(executor.manual_axes(self.mesh, args["batch_axes"], args["param_specs"], args["input_spec"]))
+            return jnp.zeros(())
+        jax.eval_shape(trace, self.plan.abstract_params, abstract_batch(self.plan.config))
+        return found[0]
+
+    def _pipeline_sum_and_grads(self, params, batch):
+        schedule = self.schedule
         out = executor.pipeline_value_and_grad(
             schedule, remat=bool(self.plan.config.pipeline.remat), **self._pipeline_args(params, batch))
         loss, grads = out[:2]

@@ -225,6 +225,10 @@ def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
             f"config.pipeline.microbatches={pc.microbatches}: global_batch_size={t.global_batch_size} must be "
             f"divisible by data-parallel size {dp} x pipeline.microbatches; choose a divisor of "
             f"{t.global_batch_size // dp}")
+    if pc.schedule == "2bw" and int(config.optim.grad_delay):
+        raise ConfigError("config.pipeline.schedule='2bw' applies each gradient one step late itself, and "
+                          "optim.grad_delay=1 would delay it twice; set optim.grad_delay=0 (and "
+                          "optim.delay_correction=none)")
     try:
         schedule = make_schedule(pc.schedule, p, pc.microbatches, pc.virtual_stages)
         validate(schedule)

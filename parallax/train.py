@@ -107,6 +107,15 @@ def check_resume(config, saved_json: str) -> None:
             raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was trained with "
                               f"{saved[key]!r}, so resuming would not continue the same run; use a new --workdir "
                               "to start a different run")
+    if "2bw" in (saved.get("pipeline.schedule"), now.get("pipeline.schedule")):
+        # A 2bw checkpoint holds microbatches in flight, in the executor's per-device slots: their layout is the
+        # mesh's, the pipeline's and the layers' (what their residuals are), so none of those may change.
+        for key in [k for k in now if k.startswith(("mesh.", "pipeline."))] + \
+                ["model.attention", "model.attention_block", "model.loss_chunk"]:
+            if key in now and saved.get(key, now[key]) != now[key]:
+                raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir holds a 2bw pipeline's "
+                                  f"in-flight microbatches, laid out for {key}={saved[key]!r}; resume with "
+                                  f"{key}={saved[key]!r} (a 2bw run keeps its mesh and pipeline)")
     if "train.steps" in saved and "optim.decay_steps" in saved:
         horizon = saved["optim.decay_steps"] or saved["train.steps"]  # lr_schedule's: decay_steps or train.steps
         if (now["optim.decay_steps"] or now["train.steps"]) != horizon:

@@ -6,6 +6,16 @@ data position is the step, since a batch is a function of (seed, step). The loss
 mean over the *global* batch: with `train.microbatches = M` each microbatch contributes its weighted loss
 sum divided by the global weight total, so accumulation is exact, not an average of averages. Eval runs
 the same loss path as training, forward only (`parallax.loss`).
+
+With the steady pipeline schedule `2bw` (PipeDream-2BW) the state also holds `'pipeline'`: what is in
+flight between steps. A batch's forwards run with the current weights in its own step and its last
+backwards in the next step, with the same weights, kept as `previous` (the second weight version); so the
+update of step t applies the gradient of batch t-1 computed at the weights of step t-1: `optim.grad_delay=1`
+exactly, without its stored gradient. It holds `previous`, the gradient and loss sums of the current batch's
+part run so far (`grads`, `loss`), the current batch (its last microbatches run in the next step) and the
+executor's activation slots and inbox (`inflight`). Checkpoints save all of it, so resume is exact. The
+step's `loss` metric is the previous batch's (the one whose gradient it applies): NaN at the first step,
+which applies nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import data as data_lib
 from parallax import optim, sharding
+from parallax.config import ConfigError
 from parallax.loss import LossPath
 from parallax.plan import Plan, abstract_batch, make_plan
 
@@ -65,6 +76,10 @@ class Trainer:
             "opt_state": _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh),
         }
         self.batch_sharding = sharding.batch_sharding(self.mesh, plan.rules)
+        self.steady = plan.schedule is not None and plan.schedule.steady
+        if self.steady:
+            self._check_steady()
+            self.state_shardings["pipeline"] = self._steady_shardings()
         self.num_params = plan.num_params
 
         self._init = jax.jit(self._init_state, static_argnums=0, out_shardings=self.state_shardings)
@@ -87,7 +102,63 @@ class Trainer:
 
     def _init_state(self, seed: int):
         params = nnx.to_pure_dict(nnx.state(self.plan.new_model(seed)))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        if self.steady:
+            state["pipeline"] = self.empty_pipeline(params)
+        return state
+
+    # --- the steady schedule (2bw) ---------------------------------------------------------------------
+
+    def _check_steady(self):
+        if self.loss._stage_aux():
+            raise ConfigError("config.pipeline.schedule='2bw' does not run layers with aux values (this model's "
+                              "MoE layers) yet; use pipeline.schedule=1f1b, zb_h1 or zbv")
+
+    def _steady_abstract(self):
+        """Shapes of the state's `'pipeline'` part; its in-flight leaves from tracing the executor."""
+        batch = abstract_batch(self.config)
+        inflight = jax.eval_shape(lambda p, b: self.loss.steady_step(p, p, b, b, None)[2], self.abstract_params, batch)
+        f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), self.abstract_params)
+        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+        return {"previous": self.abstract_params, "grads": f32, "loss": scalar, "batch": batch, "inflight": inflight}
+
+    def _steady_shardings(self):
+        replicated = NamedSharding(self.mesh, P())
+        abstract = self._steady_abstract()
+        manual = NamedSharding(self.mesh, P(self.loss.steady_manual_axes()))
+        return {"previous": self.param_shardings, "grads": self.param_shardings, "loss": replicated,
+                "batch": jax.tree.map(lambda _: self.batch_sharding, abstract["batch"]),
+                "inflight": jax.tree.map(lambda _: manual, abstract["inflight"])}
+
+    def empty_pipeline(self, params):
+        """The `'pipeline'` state of an empty pipeline (before the first step): `previous` = `params`, the
+        rest zeros (a batch of zero weights, so the first step's previous-batch part adds nothing)."""
+        abstract = self._steady_abstract()
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {k: abstract[k] for k in
+                                                                      ("grads", "loss", "batch", "inflight")})
+        return {"previous": params, **zeros}
+
+    def _train_step_steady(self, state, batch):
+        pipe = state["pipeline"]
+        (loss_prev, grads_prev), (loss_cur, grads_cur), inflight = self.loss.steady_step(
+            pipe["previous"], state["params"], pipe["batch"], batch, pipe["inflight"])
+        total = jnp.maximum(jnp.sum(pipe["batch"]["weights"]), 1.0)  # the previous batch's: it completes now
+        loss = (pipe["loss"] + loss_prev) / total
+        grads = jax.tree.map(lambda a, g: (a + g) / total, pipe["grads"], grads_prev)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        started = state["step"] > 0  # the first step completes no batch: it applies nothing
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        apply = started & (finite if self.config.train.nan_policy == "skip" else True)
+        kept = jax.tree.map(lambda a, b: jnp.where(apply, a, b), {"params": params, "opt_state": opt_state},
+                            {"params": state["params"], "opt_state": state["opt_state"]})
+        new = {"step": state["step"] + 1, **kept,
+               "pipeline": {"previous": state["params"], "grads": grads_cur, "loss": loss_cur, "batch": batch,
+                            "inflight": inflight}}
+        metrics = {"loss": jnp.where(started, loss, jnp.nan), "grad_norm": grad_norm,
+                   "lr": self.lr_schedule(optim.schedule_count(state["opt_state"])), "finite": finite | ~started}
+        return new, metrics
 
     def _loss_and_grads(self, params, batch):
         """Mean token loss over the global batch and its gradients, accumulated over microbatches in fp32."""
@@ -116,6 +187,8 @@ class Trainer:
         return loss, grads, aux
 
     def _train_step(self, state, batch):
+        if self.steady:
+            return self._train_step_steady(state, batch)
         loss, grads, aux = self._loss_grads_aux(state["params"], batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import rel_err
 from parallax.pipeline import executor, program, work
-from parallax.pipeline.schedule import B, BW, F, IDLE, W, make_schedule
+from parallax.pipeline.schedule import B, BW, F, IDLE, W, make_schedule, unroll
 
 VOCAB, D, FF, T, ROWS, LAYERS, M = 32, 16, 32, 4, 8, 8, 4
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
@@ -354,34 +354,46 @@ def test_messages_moved_are_the_ones_the_schedule_uses(name, v, p):
             assert {dst for _, dst in pairs} == receivers and all(src == (dst + shift) % p for src, dst in pairs)
 
 
-def _interpret(prog, sched, forward_only):
+def _interpret(prog, sched, forward_only, windows=1):
     """Runs `prog` on symbolic messages, as the executor's tick does: each rank reads its inbox entry
     `_IN`, then its output goes to its own entry `_LOCAL` and, through the up / down `ppermute` pairs, to
     the entries `_FROM_UP` / `_FROM_DOWN` of its neighbours. Checks every read finds the message the action
-    needs; returns the actions run and each message's (rank, arrival tick, last read tick)."""
-    p, last = sched.num_ranks, sched.num_stages - 1
+    needs; returns the actions run and each message's (rank, arrival tick, last read tick).
+
+    A steady program runs `windows` times back to back with its inbox carried over, as training steps run
+    it; microbatches are then numbered across steps (step k's are k*m .. k*m+m-1), and the reads of the
+    microbatches in flight before the first step (negative numbers, never sent) are not checked."""
+    p, last, m = sched.num_ranks, sched.num_stages - 1, sched.num_microbatches
     code = prog.code.copy()
     code[..., program._BRANCH] = np.array(prog.branches)[code[..., program._BRANCH]]
     kinds = {program._F: F, program._F_FIRST: F, program._F_LAST: F, program._B: B, program._B_FIRST: B,
              program._W: W, program._BW: BW, program._BW_FIRST: BW}
     inbox = [{} for _ in range(p)]
     arrived, last_read, ran, carried = {}, {}, [], {"up": set(), "down": set()}
-    for t in range(prog.num_ticks):
+    for t in range(prog.num_ticks * windows):
+        k, t_in = divmod(t, prog.num_ticks)
         out = [None] * p
         for r in range(p):
-            br, mb, c, slot, src, local, _, _ = (int(x) for x in code[t, r])
+            br, mb, c, slot, src, local, _, _, version = (int(x) for x in code[t_in, r])
             if br == program._IDLE:  # reads nothing; its microbatch / chunk / slot are valid indices (0)
-                assert (mb, c, slot, src, local) == (0, 0, 0, -1, -1)
+                assert (mb, c, slot, src, local, version) == (0, 0, 0, -1, -1, 0)
                 continue
+            if prog.steady:  # field mb indexes [previous step's m, this step's m]; version 1: this step's
+                assert version == (mb >= m)
+                mb += (k - 1) * m
+            else:
+                assert version == 0
             stage = int(sched.stage_of[r, c])
             kind = kinds[br]  # W has no stage-0 variant: it runs no `first_fn` pullback
             assert (br in (program._F_FIRST, program._B_FIRST, program._BW_FIRST)) == (stage == 0 and kind != W)
             assert (br == program._F_LAST) == (stage == last and kind == F), (t, r)
             ran.append((t, r, kind, mb, c, slot))
             need = ("x", mb, stage) if kind == F else ("g", mb, stage)
-            if kind != F or stage > 0:
+            if (kind != F or stage > 0) and mb >= 0:
                 assert 0 <= src < prog.inbox_size and inbox[r].get(src) == need, (t, r, src, need, inbox[r])
                 last_read[r, need] = t
+            elif kind != F or stage > 0:  # sent before the first step: nothing to check but the entry
+                assert 0 <= src < prog.inbox_size
             else:
                 assert src == -1
             if kind == F:
@@ -389,9 +401,9 @@ def _interpret(prog, sched, forward_only):
             elif kind != W and stage > 0:
                 out[r] = ("g", mb, stage - 1)
         for r in range(p):
-            writes = [(code[t, r, program._LOCAL], r, None)]
-            writes += [(code[t, r, program._FROM_UP], s, "up") for s, d in prog.up_perm if d == r]
-            writes += [(code[t, r, program._FROM_DOWN], s, "down") for s, d in prog.down_perm if d == r]
+            writes = [(code[t_in, r, program._LOCAL], r, None)]
+            writes += [(code[t_in, r, program._FROM_UP], s, "up") for s, d in prog.up_perm if d == r]
+            writes += [(code[t_in, r, program._FROM_DOWN], s, "down") for s, d in prog.down_perm if d == r]
             for e, s, way in writes:
                 if e >= 0:
                     if way:
@@ -413,7 +425,7 @@ def test_compiled_program_delivers_every_message_to_the_entry_its_reader_reads(n
         table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
         table = table[(table[..., 0] != IDLE).any(axis=1)]
         assert (table[..., 0] != IDLE).any(axis=1).all() and prog.num_ticks == len(table)
-    assert prog.code.dtype == np.int32 and prog.code.shape == (len(table), p, 8)
+    assert prog.code.dtype == np.int32 and prog.code.shape == (len(table), p, program._NUM_FIELDS)
     assert program._IDLE in prog.branches and list(prog.branches) == sorted(set(prog.branches))
     assert prog.num_slots == sched.num_slots
     ran, msgs, carried = _interpret(prog, sched, forward_only)
@@ -468,3 +480,64 @@ def test_compile_schedule_refuses_a_message_read_too_early_or_never_or_by_a_far_
     with pytest.raises(ValueError, match=r"^1f1b: stage 1 on rank 2 takes input from rank 0, which is not a "
                                          r"neighbour; place consecutive stages on neighbouring ranks$"):
         executor.compile_schedule(_edited(sched, table=sched.table[:, order], stage_of=sched.stage_of[order]))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8)])
+def test_steady_program_run_step_after_step_delivers_every_message_and_runs_the_unrolled_schedule(p, m):
+    """2bw's program, run 4 times with its inbox carried from step to step, runs exactly the actions of
+    the schedule's windows back to back (`unroll`), each read finding its message, also a message sent in
+    the step before; version 0 (the previous weights) exactly for the previous step's microbatches."""
+    sched = make_schedule("2bw", p, m)
+    prog = executor.compile_schedule(sched)
+    assert prog.steady and prog.num_versions == 2 and prog.num_ticks == 2 * m
+    ran, msgs, carried = _interpret(prog, sched, False, windows=4)
+    full = unroll(sched, 4)
+    expected = [(int(t), int(r), *(int(x) for x in full.table[t, r])) for t, r in np.argwhere(full.table[..., 0] != IDLE)]
+    assert sorted(a for a in ran if 0 <= a[3] < 3 * m) == sorted(expected)
+    assert all(u is not None and u > a for (_, key), (_, a, u) in msgs.items() if 0 <= key[1] < 3 * m)
+    assert set(prog.up_perm) == carried["up"] and set(prog.down_perm) == carried["down"]
+    with pytest.raises(ValueError, match="2bw: a steady schedule has no forward-only program"):
+        executor.compile_schedule(sched, forward_only=True)
+
+
+def _steady_runner(sched, mesh, remat):
+    def staged(params):
+        return {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+                "last": params["last"]}
+
+    def unstage(g):
+        return {"first": g["first"], "layers": executor.from_pipeline_layout(g["stages"], sched), "last": g["last"]}
+
+    def step(previous, params, previous_inputs, inputs, inflight):
+        both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), previous_inputs, inputs)
+        (lp, gp), (lc, gc), inflight = executor.pipeline_steady_step(
+            sched, first_fn=first_fn, last_fn=last_fn, layer_fn=layer_fn, params=staged(params),
+            previous=staged(previous), inputs=both, mesh=mesh, inflight=inflight, remat=remat)
+        return (lp, unstage(gp)), (lc, unstage(gc)), inflight
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize("p,remat", [(2, False), (4, False), (4, True)])
+def test_steady_step_finishes_each_batch_with_the_weights_its_forwards_used(p, remat):
+    """Three 2bw steps with three weight versions: batch k's forwards run in step k with weights k, its last
+    backwards in step k+1 with weights k again (`previous`); the two parts sum to `jax.value_and_grad` of
+    the unpipelined model at weights k (fp32, 1e-5). Step 0 starts from an empty pipeline."""
+    sched = make_schedule("2bw", p, M)
+    mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
+    weights = [make_model(seed=s)[0] for s in range(3)]
+    batches = [make_model(seed=10 + s)[1] for s in range(3)]
+    step = _steady_runner(sched, mesh, remat)
+    first = jax.jit(lambda w, b: _steady_runner(sched, mesh, remat).__wrapped__(w, w, b, b, None))
+    _, pending, inflight = first(weights[0], batches[0])
+    for k in (1, 2):
+        done, new, inflight = step(weights[k - 1], weights[k], batches[k - 1], batches[k], inflight)
+        loss = pending[0] + done[0]
+        grads = jax.tree.map(jnp.add, pending[1], done[1])
+        ref_loss, ref_grads = jax.value_and_grad(reference_loss)(weights[k - 1], batches[k - 1])
+        assert rel_err(loss, ref_loss) <= 1e-5
+        errs = jax.tree.map(rel_err, grads, ref_grads)
+        assert max(jax.tree.leaves(errs)) <= 1e-5, errs
+        # both steps did part of it: the last backwards of stage 0 run in the next step
+        assert rel_err(pending[1]["first"]["emb"], ref_grads["first"]["emb"]) > 1e-2
+        assert float(jnp.abs(done[1]["first"]["emb"]).sum()) > 0
+        pending = new

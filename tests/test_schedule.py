@@ -10,8 +10,8 @@ import pytest
 
 from parallax.pipeline.render import render_png, render_summary, render_text
 from parallax.pipeline.schedule import (B, BW, F, IDLE, SCHEDULES, W, Schedule, ScheduleError,
-                                        make_schedule, validate)
-from parallax.pipeline.simulate import bubble_table, format_bubble_table, parse_costs, simulate
+                                        make_schedule, unroll, validate)
+from parallax.pipeline.simulate import bubble_table, format_bubble_table, parse_costs, simulate, steady_bubbles
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -269,7 +269,7 @@ def test_cli_prints_summary_and_exits_2_on_bad_arguments():
     (("zbv", 4, 8, 3), "zbv always holds 2 chunks per rank, got virtual_stages=3; set it to 2"),
     (("zb_h1", 4, 8, 2), "zb_h1 holds one chunk per rank, got virtual_stages=2; set it to 1 or use "
                          "interleaved_1f1b"),
-    (("pipedream", 4, 8), "unknown schedule 'pipedream'; set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv"),
+    (("pipedream", 4, 8), "unknown schedule 'pipedream'; set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, 2bw"),
 ])
 def test_make_schedule_error_messages_are_exact(args, message):
     # These reach the user verbatim (the CLI and the trainer print them as the one-line error).
@@ -420,3 +420,70 @@ def test_bubble_table_rows_are_the_simulated_figures():
                          "|---|---|---|---|---|---|", "| gpipe | 2 | 0.333 | 0.333 | 2 | 6 |"]
     assert "| interleaved_1f1b | 2 | 0.200 | 0.250 | 4 | 10 |" in lines
     assert lines[-1].startswith("Costs F = B = W = 1, BW = 2.") and lines[-2] == ""
+
+
+# --- the steady schedule (2bw) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 3), (3, 5), (4, 4), (4, 8), (6, 12)])
+def test_2bw_window_alternates_f_and_bw_with_no_idle_tick_and_repeats_into_a_valid_schedule(p, m):
+    """One step's window: 2m ticks, every rank busy on every tick, F and BW alternating; the current step's
+    m forwards run on every stage, and the previous step's microbatches (ids -m..-1) only finish. Run back to
+    back (`unroll`), the windows are one schedule that `validate` accepts, with each activation held in the
+    slot its forward filled (also across windows)."""
+    s = make_schedule("2bw", p, m)
+    validate(s)
+    assert s.steady and s.num_ticks == 2 * m and (s.table[..., 0] != IDLE).all()
+    kinds = s.table[..., 0]
+    assert ((kinds[1:] == F) != (kinds[:-1] == F)).all() and np.isin(kinds, (F, BW)).all()
+    for r in range(p):
+        f_mbs = sorted(s.table[kinds[:, r] == F, r, 1].tolist())
+        # every microbatch's forward runs once per window on each rank: the current step's, or a late one of
+        # the previous step's (ranks 2.. are still starting those when stage 0 starts the next step)
+        assert sorted(mb % m for mb in f_mbs) == list(range(m)) and min(f_mbs) >= -m
+        assert (min(f_mbs) < 0) == (r >= 2)
+    full = unroll(s, 4)
+    validate(full)
+    assert full.num_microbatches == 3 * m and simulate(full).ticks == 8 * m
+
+
+def test_2bw_async_bubble_is_zero_after_the_first_step_and_its_lockstep_one_below_1f1bs():
+    for p, m in [(2, 4), (4, 8)]:
+        s = make_schedule("2bw", p, m)
+        first, *rest = steady_bubbles(s, 4, mode="async")
+        assert first > 0 and rest == [0.0] * 3
+        lock = steady_bubbles(s, 4, mode="lockstep")
+        assert lock[1:] == [0.25] * 3  # an F beside a BW (cost 2) on every tick
+        assert lock[-1] < simulate(make_schedule("1f1b", p, m), mode="lockstep").bubble
+
+
+def test_2bw_validator_rejects_a_window_that_does_not_repeat_into_a_valid_schedule():
+    s = make_schedule("2bw", 4, 4)
+    t = np.argwhere((s.table[:, 2, 0] == F) & (s.table[:, 2, 1] == 0))[0, 0]
+    table = s.table.copy()
+    table[[t, t - 1], 2] = table[[t - 1, t], 2]  # rank 2's F(0) one tick earlier, beside rank 1's F(0)
+    with pytest.raises(ScheduleError, match=r"F\(mb=\d+, chunk=0\) runs before its input activation"):
+        validate(dataclasses.replace(s, table=table))
+    table = s.table.copy()
+    table[0, 1, 1] = -5  # below -m
+    with pytest.raises(ScheduleError, match=r"a steady window holds microbatches -4..3, got -5"):
+        validate(dataclasses.replace(s, table=table))
+
+
+def test_2bw_needs_microbatches_at_least_stages_and_has_no_flushing_timing():
+    with pytest.raises(ScheduleError, match=r"^2bw needs microbatches >= stages .* set microbatches=4$"):
+        make_schedule("2bw", 4, 3)
+    with pytest.raises(ScheduleError, match=r"2bw holds one chunk per rank"):
+        make_schedule("2bw", 2, 4, 2)
+    with pytest.raises(ValueError, match=r"2bw is steady"):
+        simulate(make_schedule("2bw", 2, 4))
+    with pytest.raises(ScheduleError, match=r"set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, 2bw$"):
+        make_schedule("pipedream", 2, 4)
+
+
+def test_render_summary_of_2bw_shows_its_window_the_first_steps_and_their_bubbles():
+    text = render_summary(make_schedule("2bw", 2, 4))
+    assert text.startswith("one step (the window every step runs):\nrank 0:  F0 X-1  F1  X0")
+    assert "the first 3 steps from an empty pipeline:" in text
+    assert "bubble per step, async: 0.167 0.000 0.000; lockstep: 0.286 0.250 0.250" in text
+    assert text.endswith("schedule=2bw stages=2 microbatches=4 bubble=0.250 (steady, lockstep) peak_slots=2 ticks=8")

@@ -6,7 +6,9 @@ on its branch, then the tick's outputs move to the neighbour ranks (+1 ring "up"
 `ppermute` per distinct set of sending pairs, run only on the ticks that use it (`Program.send_patterns`).
 With `layer_fn` a chunk is run layer by layer and a split backward partitions each layer's pullback
 (`split.py`), so B + W does the work of one fused BW. `to_pipeline_layout` / `from_pipeline_layout` move stacked layer
-weights `[L, ...]` to the executor's `[p, v, L / (p * v), ...]` layout and back.
+weights `[L, ...]` to the executor's `[p, v, L / (p * v), ...]` layout and back. `pipeline_steady_step`
+runs a steady schedule (2bw): one window of an endless pipeline per call, with two weight versions and the
+activation slots and inbox carried from call to call.
 
 Axis names: `pipe` (ranks), and the batch axes (`data`, `fsdp` by default) over which microbatch rows
 are split.
@@ -21,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallax.pipeline.program import (  # noqa: F401  (compile_schedule is part of this module's API)
     _B, _B_FIRST, _BRANCH, _BW, _BW_FIRST, _CHUNK, _F, _F_FIRST, _F_LAST, _FROM_DOWN, _FROM_UP, _IDLE, _IN,
-    _LOCAL, _MB, _SLOT, _W, Program, compile_schedule)
+    _LOCAL, _MB, _SLOT, _VERSION, _W, Program, compile_schedule)
 from parallax.pipeline.schedule import Schedule
 from parallax.pipeline.split import SplitBackward
 
@@ -144,6 +146,8 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     axes) do. A `ppermute` does not: an XLA collective-permute has no replica groups, every device joins
     each one, and on XLA:CPU permutes of different branches and ticks get matched (wrong values).
     """
+    if schedule.steady:
+        raise ValueError(f"{schedule.name} is a steady schedule: run it with pipeline_steady_step")
     layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec)
     prog = compile_schedule(schedule)
     fns = (first_fn, _one_of(stage_fn, layer_fn), last_fn)
@@ -160,6 +164,57 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     # Stats leaves are [1, v, ...] per rank, split over `pipe` (P("pipe") is a prefix spec for all of them).
     return layout.call(body, params, inputs, out_specs=(P(), layout.specs, P("pipe")) if stage_aux else
                        (P(), layout.specs))
+
+
+def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previous, inputs, mesh, inflight=None,
+                         stage_fn=None, layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
+                         input_spec=P()):
+    """One step of a steady schedule (`2bw`): one window of an endless pipeline, with no flush.
+
+    The window runs the current step's forwards with `params` and finishes the previous step's
+    microbatches still in flight with `previous` (the weights their forwards used: PipeDream-2BW's second
+    weight version). `inputs` hold 2m microbatches `[2m, rows, ...]`: the previous step's m, then the
+    current step's. `inflight` is what the previous window left in flight (None: an empty pipeline, at the
+    first step; the previous step's microbatches then run on zeros and their results mean nothing).
+    The other arguments are those of `pipeline_value_and_grad` (stage aux values are not supported).
+
+    Returns `((loss, grads) of the previous step's microbatches' part run in this window, (loss, grads) of
+    the current step's part, inflight)`: a step's loss and gradient are the sum of its part in the window
+    where it started and its part in the next one (the caller adds them). `inflight`: this rank's
+    activation slots and inbox, leaves `[devices, ...]` whose leading dim is split over the shard_map's
+    manual axes (`manual_axes`); opaque: hand them to the next call."""
+    if not schedule.steady:
+        raise ValueError(f"{schedule.name} flushes every step: run it with pipeline_value_and_grad")
+    m = schedule.num_microbatches
+    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m)
+    _Layout.make(schedule, previous, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m)
+    prog = compile_schedule(schedule)
+    fns = (first_fn, _one_of(stage_fn, layer_fn), last_fn)
+    spec = P(layout.manual)
+
+    def body(prev_first, prev_stage, prev_last, first_p, stage_p, last_p, inputs, inflight):
+        trace = _Trace(fns, layout.manual, remat, first_p, stage_p, last_p, inputs, batch=layout.batch,
+                       layered=layer_fn is not None, previous=(prev_first, prev_stage, prev_last))
+        trace.probe()
+        if inflight is not None:
+            inflight = jax.tree.map(lambda a: a[0], inflight)
+        loss, (gw, gf, gl), _, inflight = trace.run(prog, inflight)
+        v = trace.stage_p_chunks
+        grads = tuple({"first": jax.tree.map(lambda a: a[k], gf), "last": jax.tree.map(lambda a: a[k], gl),
+                       "stages": jax.tree.map(lambda a: a[None, k * v:(k + 1) * v], gw)} for k in range(2))
+        loss, grads = trace.reduce(loss, grads, (layout.specs, layout.specs))
+        inflight = jax.tree.map(lambda a: _cast(a, layout.manual)[None], inflight)
+        return (loss[0], grads[0]), (loss[1], grads[1]), inflight
+
+    in_specs = (layout.specs["first"], layout.specs["stages"], layout.specs["last"]) * 2 + (layout.batch_spec,)
+    args = (previous["first"], previous["stages"], previous["last"], params["first"], params["stages"],
+            params["last"], inputs)
+    args = tuple(_place(a, mesh, sp) for a, sp in zip(args, in_specs))
+    if inflight is not None:
+        inflight = _place(inflight, mesh, spec)
+    run = jax.shard_map(body, mesh=mesh, in_specs=in_specs + (spec,), axis_names=set(layout.manual),
+                        out_specs=((P(), layout.specs), (P(), layout.specs), spec))
+    return run(*args, inflight)
 
 
 def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None, layer_fn=None,
@@ -179,6 +234,14 @@ def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh
     return layout.call(body, params, inputs, out_specs=P())
 
 
+def manual_axes(mesh, batch_axes, param_specs, input_spec) -> tuple:
+    """The mesh axes the executor's shard_map is manual over: `pipe`, the batch axes of size > 1, and the
+    other axes of size > 1 that the specs name. A steady step's in-flight leaves are split over them."""
+    batch = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1)
+    named = set().union(_axes_of(input_spec), *map(_axes_of, jax.tree.leaves(param_specs))) - {"pipe"}
+    return ("pipe",) + batch + tuple(a for a in mesh.axis_names if a in named and a not in batch and mesh.shape[a] > 1)
+
+
 def _one_of(stage_fn, layer_fn):
     if (stage_fn is None) == (layer_fn is None):
         raise TypeError("give the executor exactly one of stage_fn (a chunk) and layer_fn (one layer)")
@@ -195,9 +258,10 @@ class _Layout:
     batch: tuple  # the batch axes of size > 1 (manual)
 
     @classmethod
-    def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec) -> "_Layout":
+    def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
+             microbatches=None) -> "_Layout":
         """Checks the arguments' shapes against the schedule and the mesh, and derives the specs."""
-        p, v, m = schedule.num_ranks, schedule.num_chunks, schedule.num_microbatches
+        p, v, m = schedule.num_ranks, schedule.num_chunks, microbatches or schedule.num_microbatches
         if mesh.shape.get("pipe") != p:
             raise ValueError(f"schedule {schedule.name} has {p} ranks but the mesh has pipe="
                              f"{mesh.shape.get('pipe')}; set mesh pipe={p}")
@@ -225,9 +289,8 @@ class _Layout:
         if unknown or set(batch) & _axes_of(input_spec):
             raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
                              f"{mesh.axis_names} other than pipe, and input_spec none of the batch axes {batch}")
-        manual = ("pipe",) + batch + tuple(a for a in mesh.axis_names
-                                           if a in model_axes and a not in batch and mesh.shape[a] > 1)
-        return cls(mesh, specs, P(None, batch if batch else None, *input_spec), manual, batch)
+        return cls(mesh, specs, P(None, batch if batch else None, *input_spec),
+                   manual_axes(mesh, batch_axes, specs, input_spec), batch)
 
     def call(self, body, params, inputs, out_specs):
         in_specs = (self.specs["first"], self.specs["stages"], self.specs["last"], self.batch_spec)
@@ -286,7 +349,7 @@ class _Trace:
     """
 
     def __init__(self, fns, manual, remat, first_p, stage_p, last_p, inputs, forward_only=False, stage_aux=False,
-                 batch=(), layered=False, split_w=False):
+                 batch=(), layered=False, split_w=False, previous=None):
         self.first_fn, self.layer_fn, self.last_fn = fns
         self.manual, self.remat, self.forward_only, self.stage_aux = manual, remat, forward_only, stage_aux
         self.layered = layered
@@ -295,8 +358,11 @@ class _Trace:
         # Stats are this rank's sums over its rows: typed varying over `pipe` and the batch axes, so that the
         # reduction sums them over the batch shards whatever their type (a per-rank constant included).
         self.stats_axes = ("pipe", *batch)
-        self.first_p, self.last_p = self.vary(first_p), self.vary(last_p)
-        self.stage_p = self.vary(jax.tree.map(lambda a: a[0], stage_p))  # [v, ...]
+        # Weight versions: [current], or [previous, current] for a steady schedule (2bw), whose branches
+        # are traced once per version (`branches`); `version` selects the one being traced.
+        self.versions = [tuple(self.vary(x) for x in (f, jax.tree.map(lambda a: a[0], st), l))  # stages: [v, ...]
+                         for f, st, l in ([previous] if previous else []) + [(first_p, stage_p, last_p)]]
+        self.version = len(self.versions) - 1
         self.stage_p_chunks = jax.tree.leaves(stage_p)[0].shape[1]
         # Inputs vary over `pipe` too (so that whatever the stages derive from them counts as per-microbatch,
         # see `probe`) but stay invariant over the model axes: they are the same on those ranks, which
@@ -314,6 +380,18 @@ class _Trace:
             self.stats0 = self.stack_like(stats)  # a chunk's stats: stacked over its layers
             loss_vma = loss_vma | _vma(self.term0)
         self.loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
+
+    @property
+    def first_p(self):
+        return self.versions[self.version][0]
+
+    @property
+    def stage_p(self):
+        return self.versions[self.version][1]
+
+    @property
+    def last_p(self):
+        return self.versions[self.version][2]
 
     def vary(self, tree):  # varying over every manual axis, so that no vjp transpose inserts a psum
         return jax.tree.map(lambda a: _cast(a, self.manual), tree)
@@ -547,7 +625,19 @@ class _Trace:
             _W: lambda *a: bwd(*a, False, True, False), _BW: lambda *a: bwd(*a, True, True, False),
             _BW_FIRST: lambda *a: bwd(*a, True, True, True),
         }
-        return [impls[b] for b in prog.branches]
+        if len(self.versions) == 1:
+            return [impls[b] for b in prog.branches]
+
+        def versioned(impl, version):  # the branch traced with weight version `version`
+            def run(*args):
+                self.version = version
+                try:
+                    return impl(*args)
+                finally:
+                    self.version = len(self.versions) - 1
+            return run
+        # Branch index: ins[_BRANCH] + len(prog.branches) * ins[_VERSION].
+        return [versioned(impls[b], k) for k in range(len(self.versions)) for b in prog.branches]
 
     # --- the tick and the loop ------------------------------------------------------------------------
 
@@ -559,17 +649,25 @@ class _Trace:
 
         up_patterns, down_patterns = prog.send_patterns("up")[1], prog.send_patterns("down")[1]
 
+        versions = len(self.versions)
+
         def step(carry, xs):  # code_t: [p, fields]; send_t: this tick's send pattern up and down (0: none)
             code_t, send_t = xs
             slots, cots, inbox, grads, loss, stats = carry
             ins = code_t[rank]
-            msg, res, cot, dgrads, dloss, dstats = jax.lax.switch(ins[_BRANCH], branches, slots, cots, inbox, ins)
+            branch = ins[_BRANCH] if versions == 1 else ins[_BRANCH] + len(prog.branches) * ins[_VERSION]
+            msg, res, cot, dgrads, dloss, dstats = jax.lax.switch(branch, branches, slots, cots, inbox, ins)
             stats = _add_chunk(stats, ins[_CHUNK], dstats)
             slot = jnp.where(stores[ins[_BRANCH]], ins[_SLOT], -1)
             slots = tuple(_write(buf, slot, r) for buf, r in zip(slots, res))
             cslot = jnp.where(stores_cots[ins[_BRANCH]], ins[_SLOT], -1)
             cots = tuple(_write(buf, cslot, c) for buf, c in zip(cots, cot))
-            if grads:
+            if grads and versions > 1:  # one accumulator per version: gw [versions * v, ...], gf / gl [versions, ...]
+                (gw, gf, gl), (dw, df, dl) = grads, dgrads
+                grads = (_add_chunk(gw, ins[_VERSION] * self.stage_p_chunks + ins[_CHUNK], dw),
+                         _add_chunk(gf, ins[_VERSION], df), _add_chunk(gl, ins[_VERSION], dl))
+                dloss = jnp.where(jnp.arange(versions) == ins[_VERSION], dloss, jnp.zeros((), dloss.dtype))
+            elif grads:
                 (gw, gf, gl), (dw, df, dl) = grads, dgrads
                 grads = (_add_chunk(gw, ins[_CHUNK], dw), jax.tree.map(jnp.add, gf, df),
                          jax.tree.map(jnp.add, gl, dl))
@@ -581,23 +679,40 @@ class _Trace:
             return (slots, cots, inbox, grads, loss + dloss, stats), None
         return step
 
-    def run(self, prog: Program):
-        """Runs every tick of `prog`; returns this rank's (loss, (dW, d first, d last), stats per chunk
-        `[v, ...]`) before reduction."""
-        f32 = jnp.float32
+    def inflight_zeros(self, prog: Program):
+        """(activation slots, inbox) at the start of a run from an empty pipeline: zeros."""
         slots = tuple(_zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a))
                       for a in self.slot_avals())
+        inbox = _zeros(jax.ShapeDtypeStruct((prog.inbox_size, *self.x0.shape), self.x0.dtype), axes=_vma(self.x0))
+        return slots, inbox
+
+    def run(self, prog: Program, inflight=None):
+        """Runs every tick of `prog`; returns this rank's (loss, (dW, d first, d last), stats per chunk
+        `[v, ...]`) before reduction, and with a steady program also the (slots, inbox) it leaves in flight,
+        having started from `inflight` (None: an empty pipeline). With two weight versions, loss and each
+        gradient leaf have a leading version dim (stage dW: `[2 * v, ...]`)."""
+        f32 = jnp.float32
+        slots, inbox = self.inflight_zeros(prog) if inflight is None else inflight
+        if inflight is not None:
+            slots, inbox = tuple(_cast(a, _vma(z)) for a, z in zip(slots, self.inflight_zeros(prog)[0])), \
+                _cast(inbox, _vma(self.inflight_zeros(prog)[1]))
         cots = () if not self.split_w else tuple(
             _zeros(jax.ShapeDtypeStruct((prog.num_slots, *a.shape), a.dtype), axes=_vma(a)) for a in self.cot_avals())
-        inbox = _zeros(jax.ShapeDtypeStruct((prog.inbox_size, *self.x0.shape), self.x0.dtype), axes=_vma(self.x0))
-        grads = () if self.forward_only else \
-            jax.tree.map(lambda a: _zeros(a, f32), (self.stage_p, self.first_p, self.last_p))
+        k = len(self.versions)
+        lead = () if k == 1 else (k,)
+        grads = () if self.forward_only else (
+            jax.tree.map(lambda a: _zeros(jax.ShapeDtypeStruct((k * a.shape[0], *a.shape[1:]), f32), axes=_vma(a)),
+                         self.stage_p),
+            *(jax.tree.map(lambda a: _zeros(jax.ShapeDtypeStruct(lead + a.shape, f32), axes=_vma(a)), x)
+              for x in (self.first_p, self.last_p)))
         stats = jax.tree.map(lambda a: _zeros(jax.ShapeDtypeStruct((self.stage_p_chunks, *a.shape), a.dtype),
                                               axes=_vma(a)), self.stats0)
-        carry = (slots, cots, inbox, grads, _zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes), stats)
+        carry = (slots, cots, inbox, grads, _zeros(jax.ShapeDtypeStruct(lead, f32), axes=self.loss_axes), stats)
         sends = np.stack([prog.send_patterns("up")[0], prog.send_patterns("down")[0]], axis=1)
-        (_, _, _, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry,
-                                                        (jnp.asarray(prog.code), jnp.asarray(sends)))
+        (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry,
+                                                                (jnp.asarray(prog.code), jnp.asarray(sends)))
+        if prog.steady:
+            return loss, grads, stats, (slots, inbox)
         return loss, grads, stats
 
     # --- the reduction --------------------------------------------------------------------------------

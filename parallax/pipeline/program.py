@@ -9,16 +9,18 @@ import dataclasses
 
 import numpy as np
 
-from parallax.pipeline.schedule import B, BW, F, IDLE, W, Schedule
+from parallax.pipeline.schedule import B, BW, F, IDLE, W, Schedule, circular_colouring, unroll
 
 # Branches of the per-tick switch. `_FIRST` variants hold stage 0 (they also run `first_fn` or its
 # pullback); `_F_LAST` holds the last stage (it also runs `last_fn` and its pullback, which seeds the
 # backward).
 _IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _W, _BW, _BW_FIRST = range(9)
 
-# Fields of one lowered instruction. Inbox indices are -1 where nothing is read or written.
-_BRANCH, _MB, _CHUNK, _SLOT, _IN, _LOCAL, _FROM_UP, _FROM_DOWN = range(8)
-_NUM_FIELDS = 8
+# Fields of one lowered instruction. Inbox indices are -1 where nothing is read or written. `_VERSION` is
+# which weights the action uses: 0 for every schedule but a steady one (2bw), where it is 0 for the
+# previous step's microbatches (the previous weights) and 1 for the current step's.
+_BRANCH, _MB, _CHUNK, _SLOT, _IN, _LOCAL, _FROM_UP, _FROM_DOWN, _VERSION = range(9)
+_NUM_FIELDS = 9
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -32,6 +34,9 @@ class Program:
       1F1B-like schedules).
     num_slots: per-rank activation slots (residuals, or chunk inputs with remat).
     up_perm / down_perm: `ppermute` pairs for messages to rank r+1 / r-1 (mod p); empty if unused.
+    steady: the program of a steady schedule (2bw): `code[..., _MB]` indexes 2m microbatches (the
+      previous step's, then the current step's), and the slots and the inbox are carried from one step's
+      program to the next (a message or an activation may outlive the window).
     """
     code: np.ndarray
     branches: tuple[int, ...]
@@ -39,6 +44,12 @@ class Program:
     num_slots: int
     up_perm: tuple[tuple[int, int], ...]
     down_perm: tuple[tuple[int, int], ...]
+    steady: bool = False
+
+    @property
+    def num_versions(self) -> int:
+        """Weight versions the program reads: 2 for a steady schedule, else 1."""
+        return 2 if self.steady else 1
 
     @property
     def num_ticks(self) -> int:
@@ -70,6 +81,11 @@ def compile_schedule(schedule: Schedule, forward_only: bool = False) -> Program:
     if s.num_stages < 2:
         raise ValueError(f"{s.name}: the pipeline executor needs at least 2 stages, got {s.num_stages}; "
                          f"use pipe >= 2 or call jax.value_and_grad directly")
+    if s.steady:
+        if forward_only:
+            raise ValueError(f"{s.name}: a steady schedule has no forward-only program; evaluate with a flushing "
+                             f"schedule of the same shape (1f1b)")
+        return _compile_steady(s)
     if forward_only:
         table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
         table = table[(table[..., 0] != IDLE).any(axis=1)]
@@ -118,6 +134,34 @@ def _messages(s: Schedule, table, forward_only):
     return msgs
 
 
+def _compile_steady(s: Schedule) -> Program:
+    """A steady window's program. Its messages are those of the middle window of three run back to back
+    (`unroll`); an action that reads a message sent in the window before reads the entry of the same
+    message one step later (the windows repeat), and entries are coloured on the circle of the window."""
+    m, n, p = s.num_microbatches, s.num_ticks, s.num_ranks
+    full = unroll(s, 3)
+    msgs = _messages(full, full.table, False)
+    mine = {k: v for k, v in msgs.items() if n <= v[1] < 2 * n}  # sent in the middle window
+    entry = {}
+    for dst in range(p):
+        keys = [k for k, v in mine.items() if v[2] == dst]
+        colours = circular_colouring([list(range(mine[k][1] + 1, mine[k][3] + 1)) for k in keys], n)
+        entry.update(zip(keys, colours))
+    inbox_size = max(entry.values(), default=-1) + 1
+
+    class Periodic(dict):  # a message sent in the window before: the same message one step later
+        def __getitem__(self, key):
+            return dict.__getitem__(self, key if key in self else (key[0], key[1] + m, key[2]))
+    middle = full.table.copy()
+    middle[:n] = middle[2 * n:] = (IDLE, -1, -1, -1)
+    code, up, down = _instructions(full, middle, msgs, Periodic(entry), False)
+    code = code[n:2 * n]
+    code[..., _VERSION] = np.where(code[..., _BRANCH] != _IDLE, code[..., _MB] >= m, 0)
+    branches = tuple(sorted(set(code[..., _BRANCH].ravel().tolist()) | {_IDLE}))
+    code[..., _BRANCH] = np.searchsorted(np.array(branches), code[..., _BRANCH])
+    return Program(code, branches, inbox_size, s.num_slots, tuple(sorted(up)), tuple(sorted(down)), steady=True)
+
+
 def _inbox_entries(msgs, p):
     """Inbox entry of each message on its consumer rank, and the inbox size: greedy interval colouring in
     arrival order (optimal for intervals). An entry freed by a read at tick u can take a message that
@@ -140,6 +184,7 @@ def _instructions(s: Schedule, table, msgs, entry, forward_only):
     code = np.full((table.shape[0], p, _NUM_FIELDS), -1, np.int32)
     code[..., _BRANCH] = _IDLE
     code[..., _MB:_SLOT + 1] = 0
+    code[..., _VERSION] = 0
     up, down = set(), set()
     for t, r in np.argwhere(table[..., 0] != IDLE):
         kind, mb, c, slot = (int(x) for x in table[t, r])

@@ -4,10 +4,12 @@ Cells: `F3` forward of microbatch 3, `B3` input-gradient backward, `W3` weight-g
 fused backward (BW), `.` idle. When a rank holds several chunks, a letter names the local chunk:
 `F3a` is chunk 0, `F3b` chunk 1, and so on.
 """
+import dataclasses
+
 import numpy as np
 
-from parallax.pipeline.schedule import IDLE, Schedule
-from parallax.pipeline.simulate import simulate
+from parallax.pipeline.schedule import IDLE, Schedule, unroll
+from parallax.pipeline.simulate import simulate, steady_bubbles
 
 _CELL = ("", "F", "B", "W", "X")
 _COLORS = ("white", "#4c72b0", "#dd8452", "#55a868", "#c44e52")  # idle, F, B, W, BW
@@ -65,7 +67,22 @@ def render_png(schedule: Schedule, path: str, costs: dict | None = None) -> None
 
 def render_summary(schedule: Schedule, costs: dict | None = None) -> str:
     """The text timeline, then the async bubble, then one line `schedule=... bubble=... ticks=...` whose
-    bubble is the lockstep one (what the SPMD executor pays)."""
+    bubble is the lockstep one (what the SPMD executor pays). A steady schedule (2bw) shows its window
+    (microbatches -k: the previous step's, still in flight), then its first steps from an empty pipeline
+    with the bubble of each."""
+    if schedule.steady:
+        steps = 3
+        asyn, lock = steady_bubbles(schedule, steps, costs, "async"), steady_bubbles(schedule, steps, costs, "lockstep")
+        full = unroll(schedule, steps + 1)  # the last window only finishes the steps before it: not shown
+        first_steps = dataclasses.replace(full, table=full.table[:steps * schedule.num_ticks])
+        return "\n".join([
+            "one step (the window every step runs):", render_text(schedule),
+            f"the first {steps} steps from an empty pipeline:", render_text(first_steps),
+            "bubble per step, async: " + " ".join(f"{b:.3f}" for b in asyn) +
+            "; lockstep: " + " ".join(f"{b:.3f}" for b in lock),
+            f"schedule={schedule.name} stages={schedule.num_ranks} microbatches={schedule.num_microbatches} "
+            f"bubble={lock[-1]:.3f} (steady, lockstep) peak_slots={schedule.num_slots} ticks={schedule.num_ticks}",
+        ])
     lock = simulate(schedule, costs, mode="lockstep")
     asyn = simulate(schedule, costs, mode="async")
     return "\n".join([

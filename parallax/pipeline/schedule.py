@@ -14,6 +14,11 @@ At unit costs (F = B = W = 1, BW = 2) the async bubbles are exactly the publishe
 (p-1)/(m+p-1), interleaved_1f1b (p-1)/(vm+p-1) (m a multiple of p), zb_h1 (p-1)/(3m+p-1) for m >= p.
 zbv reaches, within a few ticks for m >= p, the bound (p-1)/(6m+p-1) that any schedule of 6m unit actions
 per rank pays because rank p-1 cannot start before tick p-1.
+
+A *steady* schedule (`2bw`) is one window of an endless pipeline, run once per training step: there is no
+flush, so the microbatches in flight at the window's end finish in the next window. Its table names the
+current step's microbatches 0..m-1 and the previous step's -m..-1 (those that were still in flight); run
+back to back, the windows are one valid schedule (`unroll`, which `validate` checks).
 """
 import dataclasses
 
@@ -35,6 +40,8 @@ class Schedule:
       0..num_chunks-1 on that rank; an idle cell is (IDLE, -1, -1, -1).
     stage_of: int32 [num_ranks, num_chunks]; global stage of local chunk c on rank r. Stages
       0..num_stages-1 run the model's layers in order.
+    steady: the table is one window of an endless pipeline (see the module docstring): microbatch -k is
+      the previous step's microbatch m-k, and slots (activations) stay live across windows.
     """
     name: str
     num_ranks: int
@@ -42,6 +49,7 @@ class Schedule:
     num_chunks: int
     table: np.ndarray
     stage_of: np.ndarray
+    steady: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -199,6 +207,88 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
                           lambda r, kind, mb, c: ((B, F, W).index(kind), mb, -c), [2 * p] * p)
 
 
+def circular_colouring(busy, period: int) -> list[int]:
+    """Colours for intervals on a circle of `period` ticks: `busy[i]` is the list of ticks item i holds its
+    colour (an activation slot, an inbox entry), taken mod `period`; items that share a tick get different
+    colours. Greedy, longest first (enough here: it is checked, not assumed optimal)."""
+    order = sorted(range(len(busy)), key=lambda i: -len(busy[i]))
+    held, colour = [], [0] * len(busy)  # held[c]: the ticks colour c is taken
+    for i in order:
+        ticks = {t % period for t in busy[i]}
+        if len(ticks) < len(busy[i]):
+            raise ScheduleError(f"an item is held for {len(busy[i])} ticks, longer than the window of {period}")
+        c = next((c for c, h in enumerate(held) if not h & ticks), len(held))
+        if c == len(held):
+            held.append(set())
+        held[c] |= ticks
+        colour[i] = c
+    return colour
+
+
+def two_bw(num_ranks: int, num_microbatches: int) -> Schedule:
+    """PipeDream-2BW's steady state: one step's window of an endless 1F1B pipeline (no flush). Each rank
+    alternates F and a fused BW, so the window of 2m ticks has no idle tick; it runs the current step's
+    forwards and the previous step's microbatches that were still in flight (ids -m..-1), which use the
+    previous weights, the ones their forwards used. Needs m >= p, so that the previous step's microbatches
+    all finish within the window.
+
+    Built by list-scheduling 1F1B over many steps' microbatches without a flush and cutting one period out
+    of its steady state (from stage 0's first forward of a step to that of the next); the activation slots
+    are then recoloured on the circle of the window, so that they repeat from window to window."""
+    p, m = num_ranks, num_microbatches
+    if m < p:
+        raise ScheduleError(f"2bw needs microbatches >= stages so that a step's in-flight microbatches finish "
+                            f"in the next step, got microbatches={m} stages={p}; set microbatches={p}")
+    steps = 6
+    table = one_f_one_b(p, steps * m).table
+
+    def window(b):  # stage 0 runs F(b * m) first in step b
+        start = [int(np.argwhere((table[:, 0, 0] == F) & (table[:, 0, 1] == k * m))[0, 0]) for k in (b, b + 1)]
+        w = table[start[0]:start[1]].copy()
+        busy = w[..., 0] != IDLE
+        w[..., 1] = np.where(busy, w[..., 1] - b * m, -1)
+        return w
+    w = window(steps // 2)
+    busy = w[..., 0] != IDLE
+    if not np.array_equal(w[..., :3], window(steps // 2 - 1)[..., :3]) or not busy.all() or \
+            w[..., 1][busy].min() < -m or w[..., 1].max() >= m:
+        raise RuntimeError(f"2bw: no periodic steady state of 1F1B found for p={p} m={m}")
+    n = len(w)
+    for r in range(p):
+        def at(kind, mb):
+            return [t for t in range(n) if w[t, r, 0] == kind and w[t, r, 1] == mb]
+        f_at = {int(w[t, r, 1]): t for t in range(n) if w[t, r, 0] == F}
+        span = []  # per F: the ticks its activation is held, F .. BW (in this window or the next)
+        for mb, f in f_at.items():
+            same = at(BW, mb)
+            span.append(list(range(f, same[0] + 1)) if same else list(range(f, at(BW, mb - m)[0] + n + 1)))
+        colour = dict(zip(f_at, circular_colouring(span, n)))
+        for t in range(n):
+            kind, mb = int(w[t, r, 0]), int(w[t, r, 1])
+            if kind == F:
+                w[t, r, 3] = colour[mb]
+            elif kind == BW:  # its F ran in this window, or in the previous one as microbatch mb + m
+                w[t, r, 3] = colour[mb] if f_at.get(mb, n) < t else colour[mb + m]
+    return Schedule("2bw", p, m, 1, w.astype(np.int32), _linear_stages(p).astype(np.int32), steady=True)
+
+
+def unroll(schedule: Schedule, windows: int = 3) -> Schedule:
+    """A steady schedule run `windows` times back to back, as a plain schedule: the microbatches of steps
+    0..windows-2 renumbered 0..(windows-1)*m-1 (the last step's are still in flight and dropped, and so
+    are the ones in flight before the first window)."""
+    s, m = schedule, schedule.num_microbatches
+    parts = []
+    for k in range(windows):
+        w = s.table.copy()
+        mb = w[..., 1] + k * m
+        keep = (w[..., 0] != IDLE) & (mb >= 0) & (mb < (windows - 1) * m)
+        w[..., 1] = mb
+        w[~keep] = (IDLE, -1, -1, -1)
+        parts.append(w)
+    return Schedule(f"{s.name} x{windows}", s.num_ranks, (windows - 1) * m, s.num_chunks,
+                    np.concatenate(parts).astype(np.int32), s.stage_of)
+
+
 SCHEDULES = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -206,12 +296,14 @@ SCHEDULES = {
     "zb_h1": zb_h1,
     "zbv": zbv,
 }
+# Steady schedules: one window of an endless pipeline per training step (no flush; see the module docstring).
+STEADY_SCHEDULES = {"2bw": two_bw}
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Builds schedule `name` for `num_ranks` pipeline ranks; raises ScheduleError naming the fix."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; set one of {', '.join(SCHEDULES)}")
+    if name not in SCHEDULES and name not in STEADY_SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; set one of {', '.join([*SCHEDULES, *STEADY_SCHEDULES])}")
     p, m, v = num_ranks, num_microbatches, virtual_stages
     if p < 1 or m < 1:
         raise ScheduleError(f"{name}: need stages >= 1 and microbatches >= 1, got stages={p} "
@@ -230,7 +322,7 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stag
     if v != 1:
         raise ScheduleError(f"{name} holds one chunk per rank, got virtual_stages={v}; set it to 1 or use "
                             f"interleaved_1f1b")
-    return SCHEDULES[name](p, m)
+    return {**SCHEDULES, **STEADY_SCHEDULES}[name](p, m)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -276,6 +368,12 @@ def _check_cell(s: Schedule, t, r, cell):
 def validate(schedule: Schedule) -> None:
     """Checks `schedule` and raises ScheduleError on the first violation, in tick order."""
     s = schedule
+    if s.steady:  # run back to back, the windows must be one valid schedule
+        _check_structure(s)
+        if s.table.size and (s.table[..., 1].min() < -s.num_microbatches):
+            raise ScheduleError(f"{s.name}: a steady window holds microbatches -{s.num_microbatches}.."
+                                f"{s.num_microbatches - 1}, got {int(s.table[..., 1].min())}")
+        return validate(unroll(s, 4))
     _check_structure(s)
     table, stage_of = s.table, s.stage_of
     last = s.num_stages - 1

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from parallax.pipeline.schedule import B, BW, F, IDLE, W, SCHEDULES, Schedule, make_schedule
+from parallax.pipeline.schedule import B, BW, F, IDLE, W, SCHEDULES, Schedule, make_schedule, unroll
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
 
@@ -65,6 +65,9 @@ def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockste
     """Times `schedule` with per-kind `costs` (default F = B = W = 1, BW = B + W) in `mode`."""
     if mode not in ("lockstep", "async"):
         raise ValueError(f"mode must be 'lockstep' or 'async', got {mode!r}")
+    if schedule.steady:
+        raise ValueError(f"{schedule.name} is steady (one window of an endless pipeline): time it with "
+                         f"steady_bubbles, or simulate unroll(schedule, steps)")
     table, stage_of = schedule.table, schedule.stage_of
     cost = _cost_table(schedule, costs)
     ticks, p = cost.shape
@@ -97,6 +100,27 @@ def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockste
     slots = live_slots(schedule)
     return SimResult(mode, total, busy_time, 1.0 - busy_time / (p * total) if total else 0.0, slots,
                      int(slots.max(initial=0)), ticks, start, cost)
+
+
+def steady_bubbles(schedule: Schedule, steps: int = 4, costs: dict | None = None, mode: str = "async") -> list:
+    """Bubble of each of the first `steps` training steps of a steady schedule started on an empty
+    pipeline: `unroll`ed, each step is one window of ticks; a step's bubble is 1 - its actions' busy time /
+    (ranks x the time from the previous step's end to its own). Only the first step has one at unit costs in
+    `async` mode: its previous-step microbatches do not exist (2bw: the pipeline fills)."""
+    full = unroll(schedule, steps + 1)
+    sim = simulate(full, costs, mode)
+    n, p = schedule.num_ticks, schedule.num_ranks
+    finish = np.where(np.isnan(sim.start), 0.0, sim.start + sim.cost)
+    ends = [float(finish[: (k + 1) * n].max(initial=0.0)) for k in range(steps)]
+    if mode == "lockstep":  # a step ends with its last tick, also where ranks idle
+        tick_time = sim.cost.max(axis=1, initial=0.0)
+        ends = [float(tick_time[: (k + 1) * n].sum()) for k in range(steps)]
+    out = []
+    for k in range(steps):
+        busy = float(sim.cost[k * n:(k + 1) * n].sum())
+        span = ends[k] - (ends[k - 1] if k else 0.0)
+        out.append(1.0 - busy / (p * span) if span else 0.0)
+    return out
 
 
 def bubble_table(p: int = 4, ms=(4, 8, 16)) -> list[tuple]:

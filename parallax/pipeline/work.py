@@ -11,7 +11,7 @@ import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent in jax 0.10
 
 from parallax.pipeline.program import (_B, _B_FIRST, _BRANCH, _BW, _BW_FIRST, _F, _F_FIRST, _F_LAST, _FROM_DOWN,
-                                       _FROM_UP, _IDLE, _W)
+                                       _FROM_UP, _IDLE, _VERSION, _W)
 
 BRANCH_NAMES = {_IDLE: "idle", _F: "F", _F_FIRST: "F_first", _F_LAST: "F_last", _B: "B", _B_FIRST: "B_first",
                 _W: "W", _BW: "BW", _BW_FIRST: "BW_first"}
@@ -81,8 +81,10 @@ def branch_flops(closed_jaxpr) -> list:
 def step_flops(closed_jaxpr, prog) -> dict:
     """{branch name: FLOPs of one run of it, ..., "total": FLOPs of the whole schedule on all ranks} for a
     traced step running `prog` (`compile_schedule(schedule)`)."""
-    per_branch = branch_flops(closed_jaxpr)
-    counts = np.bincount(prog.code[..., _BRANCH].ravel(), minlength=len(prog.branches))
+    per_branch = branch_flops(closed_jaxpr)  # a steady program's switch: its branches once per weight version
+    n = len(prog.branches)
+    index = prog.code[..., _BRANCH] + n * prog.code[..., _VERSION]
+    counts = np.bincount(index.ravel(), minlength=n * prog.num_versions)
     names = {BRANCH_NAMES[b]: f for b, f in zip(prog.branches, per_branch)}
     return {**names, "total": int(sum(int(c) * f for c, f in zip(counts, per_branch)))}
 

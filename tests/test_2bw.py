@@ -1,0 +1,120 @@
+"""`pipeline.schedule=2bw` (PipeDream-2BW in one SPMD program) end to end: its training equals the 1-device
+run with `optim.grad_delay=1` (AdamW and Muon, pipe 2 and 4 with fsdp), resume is exact (the in-flight
+microbatches are in the checkpoint), it evaluates and runs in bf16, and its config errors name the fix."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import tiny_config
+from parallax.config import ConfigError, load_config_file
+from parallax.train import check_resume, make_dataset, train_and_evaluate
+from parallax.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6
+
+
+def _config(optimizer, grad_delay=0, **mesh):
+    config = tiny_config(**mesh)
+    config.model.num_layers = 4
+    config.optim.update(name=optimizer, grad_delay=grad_delay, lr=1e-2, warmup_steps=0)  # every step moves
+    if mesh.get("pipe", 1) > 1:
+        config.pipeline.update(schedule="2bw", microbatches=4)
+    return config
+
+
+def _losses(config, devices, steps):
+    trainer = Trainer(config, devices=devices)
+    data, state, losses = make_dataset(config), trainer.init_state(), []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def delayed_references():
+    return {name: _losses(_config(name, grad_delay=1), jax.devices()[:1], STEPS) for name in ("adamw", "muon")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipe", [2, 4])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_2bw_trains_exactly_as_one_device_with_a_one_step_gradient_delay(delayed_references, optimizer, pipe):
+    """Step t applies batch t-1's gradient at the weights of step t-1 and reports batch t-1's loss, so the
+    2bw run's losses from its second step on are the delayed 1-device run's (fp32, 1e-5); its first
+    step completes no batch (NaN loss, nothing applied)."""
+    got = _losses(_config(optimizer, pipe=pipe, fsdp=2), jax.devices()[:2 * pipe], STEPS + 1)
+    print(optimizer, pipe, got, delayed_references[optimizer])
+    assert np.isnan(got[0])
+    np.testing.assert_allclose(got[1:], delayed_references[optimizer], rtol=1e-5)
+    assert len(set(got[1:])) == STEPS  # the weights moved every step
+
+
+@pytest.mark.slow
+def test_2bw_resume_is_exact_and_eval_runs_on_the_current_weights(tmp_path):
+    """3 steps, a checkpoint holding the in-flight microbatches, a restart, 3 more steps: the same metrics
+    as 6 straight steps; eval (a 1F1B forward of the current weights) runs every 3 steps."""
+    def config(steps):
+        c = _config("adamw", pipe=2, fsdp=2, data=2)
+        c.train.update(steps=steps, log_every=1, checkpoint_every=3, eval_every=3, eval_batches=1)
+        c.optim.decay_steps = 6
+        return c
+
+    def metrics(workdir):
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return [(r["step"], r["loss"], r.get("eval_loss")) for r in map(json.loads, f)]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train_and_evaluate(config(6), straight, log=lambda *_: None)
+    train_and_evaluate(config(3), resumed, log=lambda *_: None)
+    train_and_evaluate(config(6), resumed, log=lambda *_: None)
+    got, want = metrics(resumed), metrics(straight)
+    assert len(want) == 6 and np.isnan(want[0][1]) and all(np.isfinite(r[1]) for r in want[1:])
+    assert [r[2] is not None for r in want] == [False, False, True, False, False, True]
+    np.testing.assert_array_equal(np.array(got, dtype=float), np.array(want, dtype=float))
+
+
+@pytest.mark.slow
+def test_2bw_trains_evaluates_and_checkpoints_in_bf16_with_tensor_parallelism(tmp_path):
+    config = _config("adamw", pipe=2, tensor=2, data=2)
+    config.model.dtype = "bfloat16"
+    config.train.update(steps=3, log_every=1, eval_every=1, eval_batches=1, checkpoint_every=3)
+    result = train_and_evaluate(config, str(tmp_path), devices=jax.devices(), log=lambda *_: None)
+    assert [np.isfinite(r["loss"]) for r in result.history] == [False, True, True]
+    assert all(np.isfinite(r["eval_loss"]) for r in result.history)
+    assert os.listdir(tmp_path / "checkpoints") == ["3"]
+
+
+def test_2bw_config_errors_name_the_fix():
+    with pytest.raises(ConfigError, match=r"'2bw' applies each gradient one step late itself.*set optim.grad_delay=0"):
+        Trainer(_config("adamw", grad_delay=1, pipe=2, data=4), devices=jax.devices())
+    config = _config("adamw", pipe=2, data=4)
+    config.pipeline.microbatches = 1
+    with pytest.raises(ConfigError, match=r"2bw needs microbatches >= stages .* set microbatches=2"):
+        Trainer(config, devices=jax.devices())
+    moe = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
+    for axis in moe.mesh:
+        moe.mesh[axis] = 1
+    moe.mesh.update(pipe=2, data=4)
+    moe.pipeline.update(schedule="2bw", microbatches=4)
+    with pytest.raises(ConfigError, match=r"'2bw' does not run layers with aux values"):
+        Trainer(moe, devices=jax.devices())
+
+
+def test_a_2bw_checkpoint_resumes_only_on_the_mesh_and_pipeline_it_was_saved_with():
+    """Its in-flight microbatches are laid out per device for that mesh and pipeline: another one is refused
+    by name (other schedules may resume on another mesh: elastic restore)."""
+    saved = _config("adamw", pipe=2, fsdp=2, data=2)
+    check_resume(saved, saved.to_json_best_effort())
+    for key, value in (("mesh.data", 1), ("pipeline.microbatches", 8), ("pipeline.schedule", "1f1b"),
+                       ("pipeline.remat", True)):
+        now = _config("adamw", pipe=2, fsdp=2, data=2)
+        section, name = key.split(".")
+        now[section][name] = value
+        with pytest.raises(ConfigError, match=rf"^config.{key}={value!r}: the checkpoint in this workdir holds a "
+                                              rf"2bw pipeline's in-flight microbatches"):
+            check_resume(now, saved.to_json_best_effort())
