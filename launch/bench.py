@@ -80,9 +80,10 @@ def bench_pipeline(steps):
     from parallax.pipeline import work
     from parallax.pipeline.executor import compile_schedule
 
-    print("\n| schedule | p | m | ticks | matmul GFLOP per step (counted per branch) | temp MiB (compiled) | "
-          "step time (s) |\n|---|---|---|---|---|---|---|")
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"):
+    print("\n| schedule | p | m | ticks | matmul GFLOP per step (counted per branch) | temp MiB (compiled) |"
+          "\n|---|---|---|---|---|---|")
+    timed = {}  # schedule -> (trainer, dataset) at m = 8
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "2bw"):
         for m in (8, 16):
             config = _config(data=2, pipe=4)
             config.train.global_batch_size = 2 * m * 2
@@ -92,13 +93,52 @@ def bench_pipeline(steps):
             dataset = make_dataset(config)
             state = trainer.init_state()
             batch = trainer.device_batch(dataset.batch(0))
-            compiled = trainer.loss_and_grads.lower(state["params"], batch).compile()
+            step = trainer._loss_and_grads
+            if trainer.steady:  # 2bw: one window, finishing the previous batch with its weights
+                def step(state, batch):
+                    pipe = state["pipeline"]
+                    return trainer.loss.steady_step(pipe["previous"], state["params"], pipe["batch"], batch,
+                                                    pipe["inflight"])
+            else:
+                state = state["params"]
+            compiled = jax.jit(step).lower(state, batch).compile()
             temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
-            dt = f"{_time_steps(trainer, dataset, steps)[0]:.3f}" if m == 8 else "-"  # time one m per schedule
-            jaxpr = jax.make_jaxpr(trainer._loss_and_grads)(state["params"], batch)
+            jaxpr = jax.make_jaxpr(step)(state, batch)
             gflop = work.step_flops(jaxpr, compile_schedule(trainer.plan.schedule))["total"] / 1e9
-            print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {gflop:.3f} | {temp:.2f} | {dt} |",
-                  flush=True)
+            print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {gflop:.3f} | {temp:.2f} |", flush=True)
+            if m == 8:
+                timed[schedule] = trainer, dataset
+    _time_interleaved(timed, steps)
+
+
+def _time_interleaved(timed, steps, rounds=5):
+    """Median train-step time per schedule, the schedules taking turns (`rounds` rounds of `steps` steps
+    each), so that a slow spell of the machine does not fall on one schedule only."""
+    import time
+
+    import jax
+    import numpy as np
+
+    states = {}
+    for name, (trainer, dataset) in timed.items():  # compile, and one step
+        states[name] = trainer.train_step(trainer.init_state(), trainer.device_batch(dataset.batch(0)))
+        jax.block_until_ready(states[name])
+    times = {name: [] for name in timed}
+    for r in range(rounds):
+        for name, (trainer, dataset) in timed.items():
+            state, _ = states[name]
+            for k in range(steps):
+                batch = trainer.device_batch(dataset.batch(1 + r * steps + k))
+                start = time.perf_counter()
+                state, metrics = trainer.train_step(state, batch)
+                jax.block_until_ready(metrics)
+                times[name].append(time.perf_counter() - start)
+            states[name] = state, metrics
+    base = float(np.median(times["1f1b"]))
+    print(f"\nstep time at m = 8, median of {rounds} x {steps} steps (schedules taking turns):\n"
+          "| schedule | step time (s) | / 1f1b |\n|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {np.median(t):.3f} | {np.median(t) / base:.2f} |", flush=True)
 
 
 def bench_muon():
