@@ -72,6 +72,8 @@ def bench_meshes(steps):
 
 
 def bench_pipeline(steps):
+    import math
+
     import jax
 
     from parallax.train import make_dataset
@@ -105,7 +107,11 @@ def bench_pipeline(steps):
             temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
             jaxpr = jax.make_jaxpr(step)(state, batch)
             gflop = work.step_flops(jaxpr, compile_schedule(trainer.plan.schedule))["total"] / 1e9
-            print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {gflop:.3f} | {temp:.2f} |", flush=True)
+            held = f"{temp:.2f}"
+            if trainer.steady:  # its slots and inbox are arguments (kept in the train state), not temp
+                inflight = jax.tree.leaves(state["pipeline"]["inflight"])  # leading dim: the devices
+                held += f" + {sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in inflight) / 2**20:.2f} in flight"
+            print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {gflop:.3f} | {held} |", flush=True)
             if m == 8:
                 timed[schedule] = trainer, dataset
     _time_interleaved(timed, steps)

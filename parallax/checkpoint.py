@@ -65,13 +65,35 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def saved_tree(self, step: int) -> dict:
+        """The state tree saved at `step`, its leaves Orbax's array metadata (`.shape`, `.dtype`); read
+        from the checkpoint's metadata, no array is loaded."""
+        with _quiet():
+            meta = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "default")
+        return dict(meta.item_metadata.tree)
+
     def restore(self, abstract_state, step: int | None = None):
         """Restores `step` (default: latest) onto the shardings of `abstract_state` (ShapeDtypeStructs); a
-        checkpoint that cannot be read (corrupt, or not written by a run of this config) is a ConfigError."""
+        checkpoint that cannot be read (corrupt, or not written by a run of this config) is a ConfigError.
+        Top-level entries of the checkpoint that `abstract_state` does not name are not read (e.g. a 2bw
+        run's `pipeline`, when sampling or exporting from its checkpoint on another mesh)."""
         step = self.latest_step() if step is None else step
         try:
-            with _quiet():
-                return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+            try:
+                with _quiet():
+                    return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+            except Exception as first:  # noqa: BLE001 -- retried below when the checkpoint holds more than asked for
+                try:
+                    extra = set(self.saved_tree(step)) - set(abstract_state)
+                except Exception:  # noqa: BLE001 -- unreadable metadata: report the restore's own error
+                    extra = set()
+                if not extra:
+                    raise first
+            with _quiet():  # the entries asked for alone, read from the step's item directory
+                return ocp.PyTreeCheckpointer().restore(
+                    self.directory / str(step) / "default", args=ocp.args.PyTreeRestore(
+                        item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                        partial_restore=True))
         except Exception as e:  # noqa: BLE001 -- Orbax raises many types here; all mean "not this run's checkpoint"
             reason = (str(e).strip().splitlines() or [""])[0][:200]
             raise ConfigError(f"checkpoint {self.directory / str(step)} cannot be restored ({type(e).__name__}: "

@@ -187,7 +187,8 @@ class LossPath:
         stage_specs = jax.tree.map(lambda s: P(None, *s[1:]), stage_par.param_specs(plan.logical["blocks"]))
         return dict(
             first_fn=first_fn, layer_fn=layer_fn, last_fn=last_fn,
-            params={"first": _subtree(rest, first_keys), "stages": executor.to_pipeline_layout(params["blocks"], self.schedule),
+            params={"first": _subtree(rest, first_keys),
+                    "stages": executor.to_pipeline_layout(params["blocks"], self.schedule),
                     "last": _subtree(rest, last_keys)},
             inputs=self.split_microbatches(laid_out, self.schedule.num_microbatches), mesh=self.mesh,
             batch_axes=plan.batch_axes, param_specs={"first": _subtree(rest_specs, first_keys), "stages": stage_specs,

@@ -9,7 +9,6 @@ each step once. `read_scalars(logdir)` reads the event files back without Tensor
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 
@@ -31,8 +30,7 @@ class TensorBoardWriter:
     def write(self, record: dict) -> None:
         step = int(record["step"])
         for key, value in record.items():
-            if key not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                    math.isfinite(value):  # e.g. 2bw's first step, which completes no batch: no loss point
+            if key not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._writer.add_scalar(key, float(value), step)
 
     def flush(self) -> None:

@@ -11,11 +11,12 @@ With the steady pipeline schedule `2bw` (PipeDream-2BW) the state also holds `'p
 flight between steps. A batch's forwards run with the current weights in its own step and its last
 backwards in the next step, with the same weights, kept as `previous` (the second weight version); so the
 update of step t applies the gradient of batch t-1 computed at the weights of step t-1: `optim.grad_delay=1`
-exactly, without its stored gradient. It holds `previous`, the gradient and loss sums of the current batch's
-part run so far (`grads`, `loss`), the current batch (its last microbatches run in the next step) and the
-executor's activation slots and inbox (`inflight`). Checkpoints save all of it, so resume is exact. The
-step's `loss` metric is the previous batch's (the one whose gradient it applies): NaN at the first step,
-which applies nothing.
+exactly while every step is finite (with `nan_policy=skip`, 2bw drops a non-finite completed gradient and
+still finishes the batch in flight; grad_delay drops the fresh one). `'pipeline'` holds `previous`, the
+gradient and loss sums of the current batch's part run so far (`grads`, `loss`), the current batch (its
+last microbatches run in the next step) and the executor's activation slots and inbox (`inflight`).
+Checkpoints save all of it, so resume is exact. The step's `loss` metric is the previous batch's (the one
+whose gradient it applies): NaN at the first step, which applies nothing.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import tiny_config
 from parallax.config import ConfigError, load_config_file
+from parallax.sample import sample_from_workdir
 from parallax.train import check_resume, make_dataset, train_and_evaluate
 from parallax.trainer import Trainer
 
@@ -60,7 +61,7 @@ def test_2bw_resume_is_exact_and_eval_runs_on_the_current_weights(tmp_path):
     """3 steps, a checkpoint holding the in-flight microbatches, a restart, 3 more steps: the same metrics
     as 6 straight steps; eval (a 1F1B forward of the current weights) runs every 3 steps."""
     def config(steps):
-        c = _config("adamw", pipe=2, fsdp=2, data=2)
+        c = _config("adamw", pipe=2, fsdp=2, data=-1)  # data=2 on the 8 devices
         c.train.update(steps=steps, log_every=1, checkpoint_every=3, eval_every=3, eval_batches=1)
         c.optim.decay_steps = 6
         return c
@@ -76,6 +77,11 @@ def test_2bw_resume_is_exact_and_eval_runs_on_the_current_weights(tmp_path):
     assert len(want) == 6 and np.isnan(want[0][1]) and all(np.isfinite(r[1]) for r in want[1:])
     assert [r[2] is not None for r in want] == [False, False, True, False, False, True]
     np.testing.assert_array_equal(np.array(got, dtype=float), np.array(want, dtype=float))
+    # the in-flight state is laid out for 8 devices: 4 (data=-1 -> 1) are refused by name, before any restore
+    with pytest.raises(ConfigError, match=r"2bw in-flight microbatches were laid out for another mesh"):
+        train_and_evaluate(config(9), resumed, devices=jax.devices()[:4], log=lambda *_: None)
+    # sampling reads the parameters alone, on one device
+    assert sample_from_workdir(straight, "ab", num_tokens=2).startswith("step 6 sample")
 
 
 @pytest.mark.slow
@@ -115,6 +121,13 @@ def test_a_2bw_checkpoint_resumes_only_on_the_mesh_and_pipeline_it_was_saved_wit
         now = _config("adamw", pipe=2, fsdp=2, data=2)
         section, name = key.split(".")
         now[section][name] = value
-        with pytest.raises(ConfigError, match=rf"^config.{key}={value!r}: the checkpoint in this workdir holds a "
-                                              rf"2bw pipeline's in-flight microbatches"):
+        message = (r"the checkpoint in this workdir was trained with pipeline.schedule='2bw', and a run cannot "
+                   r"switch to or from 2bw" if key == "pipeline.schedule" else
+                   r"the checkpoint in this workdir holds a 2bw pipeline's in-flight microbatches")
+        with pytest.raises(ConfigError, match=rf"^config.{key}={value!r}: {message}"):
             check_resume(now, saved.to_json_best_effort())
+    with pytest.raises(ConfigError, match=r"^config.pipeline.schedule='2bw': the checkpoint in this workdir was "
+                                          r"trained with pipeline.schedule='1f1b'"):
+        before = _config("adamw", pipe=2, fsdp=2, data=2)
+        before.pipeline.schedule = "1f1b"
+        check_resume(saved, before.to_json_best_effort())

@@ -492,7 +492,8 @@ def test_steady_program_run_step_after_step_delivers_every_message_and_runs_the_
     assert prog.steady and prog.num_versions == 2 and prog.num_ticks == 2 * m
     ran, msgs, carried = _interpret(prog, sched, False, windows=4)
     full = unroll(sched, 4)
-    expected = [(int(t), int(r), *(int(x) for x in full.table[t, r])) for t, r in np.argwhere(full.table[..., 0] != IDLE)]
+    expected = [(int(t), int(r), *(int(x) for x in full.table[t, r]))
+                for t, r in np.argwhere(full.table[..., 0] != IDLE)]
     assert sorted(a for a in ran if 0 <= a[3] < 3 * m) == sorted(expected)
     assert all(u is not None and u > a for (_, key), (_, a, u) in msgs.items() if 0 <= key[1] < 3 * m)
     assert set(prog.up_perm) == carried["up"] and set(prog.down_perm) == carried["down"]

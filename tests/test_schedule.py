@@ -10,8 +10,9 @@ import pytest
 
 from parallax.pipeline.render import render_png, render_summary, render_text
 from parallax.pipeline.schedule import (B, BW, F, IDLE, SCHEDULES, W, Schedule, ScheduleError,
-                                        make_schedule, unroll, validate)
-from parallax.pipeline.simulate import bubble_table, format_bubble_table, parse_costs, simulate, steady_bubbles
+                                        circular_colouring, make_schedule, unroll, validate)
+from parallax.pipeline.simulate import (bubble_table, format_bubble_table, live_slots, parse_costs, simulate,
+                                        steady_bubbles)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -445,6 +446,8 @@ def test_2bw_window_alternates_f_and_bw_with_no_idle_tick_and_repeats_into_a_val
     full = unroll(s, 4)
     validate(full)
     assert full.num_microbatches == 3 * m and simulate(full).ticks == 8 * m
+    # as many slots as activations live at once, 1F1B's p, when the window's starts are evenly spread
+    assert s.num_slots == live_slots(full).max() == p or m % p
 
 
 def test_2bw_async_bubble_is_zero_after_the_first_step_and_its_lockstep_one_below_1f1bs():
@@ -479,6 +482,25 @@ def test_2bw_needs_microbatches_at_least_stages_and_has_no_flushing_timing():
         simulate(make_schedule("2bw", 2, 4))
     with pytest.raises(ScheduleError, match=r"set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, 2bw$"):
         make_schedule("pipedream", 2, 4)
+
+
+def test_circular_colouring_uses_as_few_colours_as_evenly_spaced_intervals_need():
+    # 8 intervals of 6 ticks starting every 2 ticks on a circle of 16: at most 3 overlap, but a colour holds
+    # at most 2 of them (12 ticks), so 4 colours are needed, and enough (greedy from a cut takes 5)
+    busy = [list(range(2 * k, 2 * k + 6)) for k in range(8)]
+    colour = circular_colouring(busy, 16)
+    assert len(set(colour)) == 4
+    for i in range(8):
+        for j in range(i):
+            if colour[i] == colour[j]:
+                assert not {t % 16 for t in busy[i]} & {t % 16 for t in busy[j]}
+    with pytest.raises(ScheduleError, match="held for 17 ticks, longer than the window of 16"):
+        circular_colouring([list(range(17))], 16)
+
+
+def test_render_png_of_2bw_draws_its_first_steps(tmp_path):
+    render_png(make_schedule("2bw", 2, 4), str(tmp_path / "2bw.png"))
+    assert (tmp_path / "2bw.png").stat().st_size > 1000
 
 
 def test_render_summary_of_2bw_shows_its_window_the_first_steps_and_their_bubbles():

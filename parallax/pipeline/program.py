@@ -27,7 +27,7 @@ _NUM_FIELDS = 9
 class Program:
     """A schedule lowered for the executor.
 
-    code: int32 [ticks, p, 8] instructions (fields `_BRANCH` .. `_FROM_DOWN`); `code[..., _BRANCH]`
+    code: int32 [ticks, p, 9] instructions (fields `_BRANCH` .. `_VERSION`); `code[..., _BRANCH]`
       indexes `branches`, the switch branches this schedule uses.
     inbox_size: entries of the per-rank inbox that buffers activations and output cotangents from their
       arrival until their last use (bounded by the schedule, not by the number of microbatches for

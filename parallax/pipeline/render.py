@@ -42,6 +42,8 @@ def render_png(schedule: Schedule, path: str, costs: dict | None = None) -> None
     except ImportError as e:
         raise ImportError("render_png needs matplotlib; pip install matplotlib (render_text needs "
                           "nothing)") from e
+    if schedule.steady:  # the first steps from an empty pipeline
+        schedule = _first_steps(schedule, 3)
     sim = simulate(schedule, costs, mode="lockstep")
     p = schedule.num_ranks
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * sim.total_time), 0.5 * p + 1.2))
@@ -65,6 +67,12 @@ def render_png(schedule: Schedule, path: str, costs: dict | None = None) -> None
     plt.close(fig)
 
 
+def _first_steps(schedule: Schedule, steps: int) -> Schedule:
+    """A steady schedule's first `steps` windows from an empty pipeline, as one table."""
+    full = unroll(schedule, steps + 1)  # the last window only finishes the steps before it: not shown
+    return dataclasses.replace(full, table=full.table[:steps * schedule.num_ticks])
+
+
 def render_summary(schedule: Schedule, costs: dict | None = None) -> str:
     """The text timeline, then the async bubble, then one line `schedule=... bubble=... ticks=...` whose
     bubble is the lockstep one (what the SPMD executor pays). A steady schedule (2bw) shows its window
@@ -73,8 +81,7 @@ def render_summary(schedule: Schedule, costs: dict | None = None) -> str:
     if schedule.steady:
         steps = 3
         asyn, lock = steady_bubbles(schedule, steps, costs, "async"), steady_bubbles(schedule, steps, costs, "lockstep")
-        full = unroll(schedule, steps + 1)  # the last window only finishes the steps before it: not shown
-        first_steps = dataclasses.replace(full, table=full.table[:steps * schedule.num_ticks])
+        first_steps = _first_steps(schedule, steps)
         return "\n".join([
             "one step (the window every step runs):", render_text(schedule),
             f"the first {steps} steps from an empty pipeline:", render_text(first_steps),

@@ -210,19 +210,41 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
 def circular_colouring(busy, period: int) -> list[int]:
     """Colours for intervals on a circle of `period` ticks: `busy[i]` is the list of ticks item i holds its
     colour (an activation slot, an inbox entry), taken mod `period`; items that share a tick get different
-    colours. Greedy, longest first (enough here: it is checked, not assumed optimal)."""
-    order = sorted(range(len(busy)), key=lambda i: -len(busy[i]))
-    held, colour = [], [0] * len(busy)  # held[c]: the ticks colour c is taken
-    for i in order:
-        ticks = {t % period for t in busy[i]}
-        if len(ticks) < len(busy[i]):
-            raise ScheduleError(f"an item is held for {len(busy[i])} ticks, longer than the window of {period}")
-        c = next((c for c, h in enumerate(held) if not h & ticks), len(held))
-        if c == len(held):
-            held.append(set())
-        held[c] |= ticks
-        colour[i] = c
-    return colour
+    colours. Keeps the colouring with the fewest colours of: greedy in several orders (longest first, and
+    by start tick from each cut of the circle), and the round robin over C colours in start order with the
+    smallest C that has no clash (what evenly spaced items, a steady schedule's, need: greedy can use more
+    colours than items live at once on a circle)."""
+    ticks = [{t % period for t in b} for b in busy]
+    for b, held in zip(busy, ticks):
+        if len(held) < len(b):
+            raise ScheduleError(f"an item is held for {len(b)} ticks, longer than the window of {period}")
+    orders = [sorted(range(len(busy)), key=lambda i: -len(busy[i]))]
+    orders += [sorted(range(len(busy)), key=lambda i: ((busy[i][0] - cut) % period, -len(busy[i])))
+               for cut in range(period)]
+    best = None
+    for order in orders:
+        held, colour = [], [0] * len(busy)  # held[c]: the ticks colour c is taken
+        for i in order:
+            c = next((c for c, h in enumerate(held) if not h & ticks[i]), len(held))
+            if c == len(held):
+                held.append(set())
+            held[c] |= ticks[i]
+            colour[i] = c
+        if best is None or len(held) < best[0]:
+            best = len(held), colour
+    by_start = sorted(range(len(busy)), key=lambda i: busy[i][0])
+    for n in range(1, best[0]):
+        held = [set() for _ in range(n)]
+        for k, i in enumerate(by_start):
+            if held[k % n] & ticks[i]:
+                break
+            held[k % n] |= ticks[i]
+        else:
+            colour = [0] * len(busy)
+            for k, i in enumerate(by_start):
+                colour[i] = k % n
+            return colour
+    return best[1]
 
 
 def two_bw(num_ranks: int, num_microbatches: int) -> Schedule:
