@@ -64,6 +64,8 @@ class MemoryReport:
     xla_outputs: int
     xla_aliased: int  # outputs written in place of (donated) inputs
     xla_temp: int  # XLA: temporaries (activations, gradients, collectives' buffers, ...)
+    pipeline: int = 0  # analytic: pipeline.schedule=2bw's in-flight state (previous weights, the pending
+    #                    gradient, the batch in flight, activation slots and inbox); 0 for other schedules
 
     @property
     def peak(self) -> int:
@@ -72,12 +74,14 @@ class MemoryReport:
     @property
     def analytic_state(self) -> int:
         """The analytic counterpart of `xla_arguments`."""
-        return self.params + self.optimizer + self.batch
+        return self.params + self.optimizer + self.batch + self.pipeline
 
     def table(self) -> str:
         rows = [("parameters (analytic)", self.params), ("optimizer state (analytic)", self.optimizer),
-                ("gradients, fp32 (analytic)", self.gradients), ("batch (analytic)", self.batch),
-                ("state + batch (analytic)", self.analytic_state), ("XLA arguments", self.xla_arguments),
+                ("gradients, fp32 (analytic)", self.gradients), ("batch (analytic)", self.batch)]
+        if self.pipeline:
+            rows.append(("2bw in-flight state (analytic)", self.pipeline))
+        rows += [("state + batch (analytic)", self.analytic_state), ("XLA arguments", self.xla_arguments),
                 ("XLA outputs", self.xla_outputs), ("XLA aliased (donated)", self.xla_aliased),
                 ("XLA temporaries", self.xla_temp), ("peak = args + outputs + temp - aliased", self.peak)]
         unit, size = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
@@ -110,7 +114,8 @@ def memory_report(config, devices=None) -> MemoryReport:
         gradients=grads,
         batch=_bytes_on_device(batch, {k: trainer.batch_sharding for k in batch}),
         xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
-        xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes)
+        xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
+        pipeline=_bytes_on_device(state["pipeline"], trainer.state_shardings["pipeline"]) if trainer.steady else 0)
 
 
 def advice(config, report: MemoryReport, hbm_bytes: float) -> list[str]:

@@ -21,6 +21,9 @@ Every choice is made from the parameters' logical axis names, never from paramet
   The first step has no earlier gradient and applies none (the optimizer state does not advance). The
   stale gradient lives in the optimizer state, so checkpoints save and restore it exactly.
   `optim.delay_correction=error_feedback` applies `u[t] + (u[t] - u[t-1])` instead (`delay_one_step`).
+  Under `pipeline.schedule=2bw` the gradient reaches the optimizer already one step stale (the pipeline
+  delays it), so there `delay_correction` needs no `grad_delay` and wraps the optimizer in
+  `error_feedback` alone: the same updates as `grad_delay=1` with the correction.
 """
 
 from __future__ import annotations
@@ -269,17 +272,44 @@ def delay_one_step(inner: optax.GradientTransformation, error_feedback: bool = F
         updates = jax.tree.map(lambda u: jnp.where(state.started, u, jnp.zeros_like(u)), updates)
         last = ()
         if error_feedback:
-            last = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
-            updates = jax.tree.map(lambda u, prev: (2 * u.astype(jnp.float32) - prev).astype(u.dtype),
-                                   updates, state.last)
+            updates, last = _feed_back(updates, state.last)
         stale = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         return updates, DelayState(keep(new_inner, state.inner), stale, jnp.ones((), bool), last)
 
     return optax.GradientTransformation(init, update)
 
 
-def check(optim_config) -> None:
-    """Raises ConfigError (one line) for optimizer settings `make_optimizer` cannot build."""
+def _feed_back(updates, last):
+    """(applied, new last): the update applied is `u[t] + (u[t] - u[t-1])`; `u[t]` is kept in fp32."""
+    new_last = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
+    applied = jax.tree.map(lambda u, prev: (2 * u.astype(jnp.float32) - prev).astype(u.dtype), updates, last)
+    return applied, new_last
+
+
+class FeedbackState(NamedTuple):
+    inner: optax.OptState
+    last: optax.Updates  # the previous step's update (fp32)
+
+
+def error_feedback(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`delay_one_step`'s correction alone, for gradients that arrive one step stale already (the 2bw
+    pipeline computes batch t-1's gradient at the weights of step t-1 and applies it at step t): applies
+    `u[t] + (u[t] - u[t-1])`, u[-1] = 0. A step the trainer does not apply (2bw's first, a skipped one)
+    keeps this state as it was, as `grad_delay` keeps its own, so both count the same updates."""
+    def init(params):
+        return FeedbackState(inner.init(params), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    def update(grads, state, params=None):
+        updates, new_inner = inner.update(grads, state.inner, params)
+        updates, last = _feed_back(updates, state.last)
+        return updates, FeedbackState(new_inner, last)
+
+    return optax.GradientTransformation(init, update)
+
+
+def check(optim_config, stale_gradients: bool = False) -> None:
+    """Raises ConfigError (one line) for optimizer settings `make_optimizer` cannot build.
+    `stale_gradients`: the gradients arrive one step stale already (`pipeline.schedule=2bw`)."""
     o = optim_config
     choices = (("name", NAMES), ("schedule", SCHEDULES), ("muon_scale", ("rms", "width")),
                ("delay_correction", ("none", "error_feedback")))
@@ -288,9 +318,10 @@ def check(optim_config) -> None:
             raise ConfigError(f"config.optim.{key}={o[key]!r}: expected one of {', '.join(valid)}")
     if int(o.grad_delay) not in (0, 1):
         raise ConfigError(f"config.optim.grad_delay={o.grad_delay}: expected 0 or 1")
-    if o.delay_correction != "none" and not int(o.grad_delay):
+    if o.delay_correction != "none" and not int(o.grad_delay) and not stale_gradients:
         raise ConfigError(f"config.optim.delay_correction={o.delay_correction!r} corrects a gradient delay, and "
-                          f"optim.grad_delay=0; set optim.grad_delay=1 or optim.delay_correction=none")
+                          f"optim.grad_delay=0; set optim.grad_delay=1 (or pipeline.schedule=2bw with mesh.pipe > 1, "
+                          f"whose gradients are one step stale) or optim.delay_correction=none")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
     if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1 or float(o.muon_rms) <= 0:
@@ -308,10 +339,13 @@ def schedule_count(opt_state) -> jax.Array:
     return found[0][1].count
 
 
-def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None) -> optax.GradientTransformation:
+def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None,
+                   stale_gradients: bool = False) -> optax.GradientTransformation:
     """The optimizer `optim` names (adamw | muon), after global-norm clipping when `optim.clip_norm` > 0,
-    applied one step late when `optim.grad_delay` is 1 (with `optim.delay_correction`). `mesh`: where Muon spreads its Newton-Schulz."""
-    check(optim_config)
+    applied one step late when `optim.grad_delay` is 1 (with `optim.delay_correction`). `mesh`: where Muon
+    spreads its Newton-Schulz. `stale_gradients`: the caller delays the gradients itself (2bw), so only
+    `optim.delay_correction` is added."""
+    check(optim_config, stale_gradients)
     o = optim_config
     schedule = lr_schedule(o, total_steps)
     if o.name == "muon":
@@ -321,6 +355,8 @@ def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None) -> 
                          weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))
     if float(o.clip_norm) > 0:
         tx = optax.chain(optax.clip_by_global_norm(float(o.clip_norm)), tx)
+    if stale_gradients and o.delay_correction == "error_feedback":
+        return error_feedback(tx)
     if not int(o.grad_delay):
         return tx
     return delay_one_step(tx, error_feedback=o.delay_correction == "error_feedback")

@@ -155,7 +155,8 @@ def _check_generic(config, sizes):
                           f"compilation), or () for no profile")
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
-    optim_lib.check(o)
+    # 2bw (with a pipeline) delays the gradients itself, so delay_correction needs no grad_delay there
+    optim_lib.check(o, stale_gradients=config.pipeline.schedule == "2bw" and sizes["pipe"] > 1)
     if o.lr < 0 or o.warmup_steps < 0 or o.decay_steps < 0 or o.weight_decay < 0 or o.clip_norm < 0:
         raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
                           f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")
@@ -227,8 +228,8 @@ def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
             f"{t.global_batch_size // dp}")
     if pc.schedule == "2bw" and int(config.optim.grad_delay):
         raise ConfigError("config.pipeline.schedule='2bw' applies each gradient one step late itself, and "
-                          "optim.grad_delay=1 would delay it twice; set optim.grad_delay=0 (and "
-                          "optim.delay_correction=none)")
+                          "optim.grad_delay=1 would delay it twice; set optim.grad_delay=0 (optim.delay_correction"
+                          "=error_feedback still applies, to the pipeline's delay)")
     try:
         schedule = make_schedule(pc.schedule, p, pc.microbatches, pc.virtual_stages)
         validate(schedule)

@@ -68,7 +68,9 @@ class Trainer:
         self.abstract_params, self.logical = plan.abstract_params, plan.logical
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, plan.rules)
         self.lr_schedule = optim.lr_schedule(self.config.optim, self.config.train.steps)
-        self.tx = optim.make_optimizer(self.config.optim, self.config.train.steps, self.logical, self.mesh)
+        steady = plan.schedule is not None and plan.schedule.steady  # 2bw: gradients arrive one step stale
+        self.tx = optim.make_optimizer(self.config.optim, self.config.train.steps, self.logical, self.mesh,
+                                       stale_gradients=steady)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         replicated = NamedSharding(self.mesh, P())
         self.state_shardings = {
@@ -77,7 +79,7 @@ class Trainer:
             "opt_state": _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh),
         }
         self.batch_sharding = sharding.batch_sharding(self.mesh, plan.rules)
-        self.steady = plan.schedule is not None and plan.schedule.steady
+        self.steady = steady
         if self.steady:
             self._check_steady()
             self.state_shardings["pipeline"] = self._steady_shardings()

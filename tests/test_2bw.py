@@ -19,10 +19,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
 
 
-def _config(optimizer, grad_delay=0, **mesh):
+def _config(optimizer, grad_delay=0, correction="none", **mesh):
     config = tiny_config(**mesh)
     config.model.num_layers = 4
-    config.optim.update(name=optimizer, grad_delay=grad_delay, lr=1e-2, warmup_steps=0)  # every step moves
+    config.optim.update(name=optimizer, grad_delay=grad_delay, delay_correction=correction, lr=1e-2,
+                        warmup_steps=0)  # every step moves
     if mesh.get("pipe", 1) > 1:
         config.pipeline.update(schedule="2bw", microbatches=4)
     return config
@@ -54,6 +55,18 @@ def test_2bw_trains_exactly_as_one_device_with_a_one_step_gradient_delay(delayed
     assert np.isnan(got[0])
     np.testing.assert_allclose(got[1:], delayed_references[optimizer], rtol=1e-5)
     assert len(set(got[1:])) == STEPS  # the weights moved every step
+
+
+@pytest.mark.slow
+def test_2bw_with_error_feedback_trains_as_one_device_with_a_delay_and_its_correction(delayed_references):
+    """`optim.delay_correction=error_feedback` corrects the pipeline's own delay: the 1-device run with
+    grad_delay=1 and the correction (Muon, pipe 2 x fsdp 2, fp32 1e-5), and not the uncorrected one."""
+    want = _losses(_config("muon", grad_delay=1, correction="error_feedback"), jax.devices()[:1], STEPS)
+    got = _losses(_config("muon", correction="error_feedback", pipe=2, fsdp=2), jax.devices()[:4], STEPS + 1)
+    print(got, want)
+    assert np.isnan(got[0])
+    np.testing.assert_allclose(got[1:], want, rtol=1e-5)
+    assert np.abs(np.array(want[2:]) - delayed_references["muon"][2:]).min() > 1e-4  # the correction acts
 
 
 @pytest.mark.slow

@@ -14,14 +14,20 @@ from helpers import ROOT, tiny_config
 from parallax.memory import MemoryReport, advice, memory_report
 
 
-@pytest.mark.parametrize("mesh", [dict(data=8), dict(fsdp=8), dict(pipe=2, fsdp=2, data=2), dict(tensor=2, fsdp=4)],
+@pytest.mark.parametrize("mesh", [dict(data=8), dict(fsdp=8), dict(pipe=2, fsdp=2, data=2), dict(tensor=2, fsdp=4),
+                                  dict(pipe=2, fsdp=2, data=2, schedule="2bw")],
                          ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
 def test_analytic_state_matches_xla_arguments_within_15_percent(mesh):
+    mesh = dict(mesh)
+    schedule = mesh.pop("schedule", None)
     config = tiny_config(**mesh)
     config.model.num_layers = 4
+    if schedule:  # 2bw's state also holds the previous weights and the microbatches in flight
+        config.pipeline.update(schedule=schedule, microbatches=4)
     report = memory_report(config, jax.devices())
     assert abs(report.analytic_state - report.xla_arguments) <= 0.15 * report.xla_arguments
     assert report.xla_temp > 0 and report.peak >= report.xla_arguments
+    assert (report.pipeline > report.params) == bool(schedule)  # holds a copy of the weights and more
 
 
 def test_fsdp_shards_the_state_per_device():
