@@ -70,6 +70,35 @@ def test_2bw_with_error_feedback_trains_as_one_device_with_a_delay_and_its_corre
 
 
 @pytest.mark.slow
+def test_2bw_nan_policy_skip_drops_the_completed_batch_and_finishes_the_one_in_flight():
+    """With nan_policy=skip, the step that completes a non-finite batch applies nothing (params and the
+    whole optimizer state stay), and the batch in flight still finishes with the weights its forwards used:
+    the next step reports its loss at those weights, finite."""
+    config = _config("adamw", pipe=2, fsdp=2, data=2)
+    config.train.nan_policy = "skip"
+    trainer = Trainer(config, devices=jax.devices())
+    data = make_dataset(config)
+    batches = [trainer.device_batch(data.batch(i)) for i in range(4)]
+    batches[1] = dict(batches[1], weights=batches[1]["weights"] * np.float32("nan"))
+    state, states, metrics = trainer.init_state(), [], []
+    for batch in batches:
+        state, m = trainer.train_step(state, batch)
+        states.append(jax.device_get(state))
+        metrics.append(jax.device_get(m))
+    assert [bool(m["finite"]) for m in metrics] == [True, True, False, True]
+    assert np.isfinite(float(metrics[1]["loss"])) and np.isnan(float(metrics[2]["loss"]))
+    for a, b in zip(jax.tree.leaves((states[2]["params"], states[2]["opt_state"])),
+                    jax.tree.leaves((states[1]["params"], states[1]["opt_state"]))):
+        np.testing.assert_array_equal(a, b)  # the step completing the bad batch applied nothing
+    # batch 2 ran its forwards at step 2, at the weights after step 1 (= after step 2): step 3 reports its loss
+    want, _ = trainer.loss_and_grads(states[1]["params"], batches[2])
+    np.testing.assert_allclose(float(metrics[3]["loss"]), float(want), rtol=1e-5)
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(states[3]["params"]))
+    assert any((a != b).any() for a, b in zip(jax.tree.leaves(states[3]["params"]),
+                                              jax.tree.leaves(states[2]["params"])))
+
+
+@pytest.mark.slow
 def test_2bw_resume_is_exact_and_eval_runs_on_the_current_weights(tmp_path):
     """3 steps, a checkpoint holding the in-flight microbatches, a restart, 3 more steps: the same metrics
     as 6 straight steps; eval (a 1F1B forward of the current weights) runs every 3 steps."""

@@ -642,7 +642,14 @@ class _Trace:
     # --- the tick and the loop ------------------------------------------------------------------------
 
     def tick(self, prog: Program):
-        """One scan step: every rank switches on its own instruction, then the messages move."""
+        """One scan step: every rank switches on its own instruction, then the messages move.
+
+        Cost per tick: every branch returns every output, so an action that computes no weight gradient
+        writes fp32 zeros the size of its chunk's weights, which are then added into the accumulator (and
+        likewise an empty slot). Running each kind of action as a `while` loop of 0 or 1 trips instead
+        removes those copies (XLA updates a loop's carry in place) but made the step 2.7x (d_model 128) to
+        3x (d_model 512) slower on XLA:CPU (`launch/bench.py` Llama, p = 4, m = 8; tried 2026-12), so the
+        switch stays; worth measuring again on GPU / TPU."""
         branches, rank = self.branches(prog), jax.lax.axis_index("pipe")
         stores = jnp.asarray(np.isin(np.array(prog.branches), (_F, _F_FIRST, _F_LAST)))
         stores_cots = jnp.asarray(np.isin(np.array(prog.branches), (_B, _B_FIRST)))
