@@ -383,11 +383,13 @@ def host_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) ->
     return lo, hi
 
 
-def to_global(batch: dict, sharding: jax.sharding.Sharding, global_batch_size: int) -> dict:
-    """Turns each host's rows into global jax.Arrays of shape [global_batch_size, seq_len] with ``sharding``.
+def to_global(batch: dict, sharding, global_batch_size: int) -> dict:
+    """Turns each host's rows into global jax.Arrays of shape [global_batch_size, seq_len] with ``sharding``
+    (one for every array, or a dict of one per key).
 
     Every host calls it with its own ``Dataset.batch(..., process_index=jax.process_index(), ...)``.
     """
-    return {name: jax.make_array_from_process_local_data(sharding, local,
+    return {name: jax.make_array_from_process_local_data(sharding[name] if isinstance(sharding, dict) else sharding,
+                                                         local,
                                                          (global_batch_size,) + local.shape[1:])
             for name, local in batch.items()}

@@ -75,13 +75,60 @@ class LossPath:
         return loss, grads, jax.lax.stop_gradient(aux)
 
     def split_microbatches(self, batch, m: int):
-        """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local."""
+        """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local.
+        Routed inputs (`routed_inputs`) keep their split over `pipe` along T."""
         spec = sharding.logical_to_spec((None, "batch", "length"), self.plan.rules, self.mesh)
+        routed = self.routed_inputs()
 
-        def split(x):
+        def split(key, x):
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-        return jax.tree.map(split, batch)
+            s = P(None, *self.batch_spec(key)) if key in routed else spec
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, s))
+        return {k: split(k, x) for k, x in batch.items()}
+
+    def batch_spec(self, key: str) -> P:
+        """The spec of the [B, T] batch array `key`: rows over the batch axes, and a routed input's T over
+        `seq` (when the stages split it) and `pipe` (see `routed_inputs`)."""
+        rows = sharding.logical_to_spec(("batch", "length"), self.plan.rules, self.mesh)
+        if key not in self.routed_inputs():
+            return rows
+        seq = ("seq",) if self.plan.sizes["seq"] > 1 else ()
+        return P(tuple(rows)[0] if len(rows) else None, (*seq, "pipe"))
+
+    def routed_inputs(self) -> dict:
+        """{batch key: 'first' | 'last'} for the inputs that only the first stage (the embedding) or only the
+        last (the head and loss) reads, e.g. tokens and targets / weights: with a pipeline they are stored
+        split over `pipe` as well and gathered on the one rank that reads them (the executor's
+        `routed_inputs`), instead of every pipeline rank receiving them. Keys the layers read (segment ids,
+        positions) go to every rank. Empty without a pipeline, when seq_len is not divisible by seq x pipe,
+        or with a zigzag sequence layout (all-gather attention reorders the tokens first)."""
+        if getattr(self, "_routed", None) is None:
+            plan, sizes = self.plan, self.plan.sizes
+            self._routed = {}
+            if (self.kind == "pipelined" and not plan.parallelism.zigzag
+                    and plan.config.train.seq_len % (sizes["seq"] * sizes["pipe"]) == 0):
+                self._routed = self._find_routed()
+        return self._routed
+
+    def _find_routed(self) -> dict:
+        plan, mb = self.plan, zero_row_batch(self.plan)
+        rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
+        no_blocks = plan.abstract_params["blocks"]
+        graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), plan.abstract_params["blocks"])
+
+        def model(p):
+            return nnx.merge(plan.graphdef, {**p, "blocks": no_blocks})
+        x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
+        x0 = jnp.zeros(x.shape, x.dtype)
+
+        def keys(fn, params):  # the batch keys fn(params, mb) reads
+            read = _leaves_read(lambda t: fn(t["p"], t["mb"]), {"p": params, "mb": mb})
+            return {k for k in mb if f"['mb']['{k}']" in read}
+        first = keys(lambda p, b: model(p).embed(b, DENSE), rest)
+        last = keys(lambda p, b: model(p).loss(x0, b, DENSE), rest)
+        layers = keys(lambda p, b: model_lib.apply_layer_aux(graphdef, p, x0, b, plan.remat, DENSE)[0], one)
+        return {**{k: "first" for k in first - last - layers}, **{k: "last" for k in last - first - layers}}
 
     # --- dense and manual -----------------------------------------------------------------------------
 
@@ -193,7 +240,7 @@ class LossPath:
             inputs=self.split_microbatches(laid_out, self.schedule.num_microbatches), mesh=self.mesh,
             batch_axes=plan.batch_axes, param_specs={"first": _subtree(rest_specs, first_keys), "stages": stage_specs,
                                                      "last": _subtree(rest_specs, last_keys)},
-            input_spec=P("seq") if par.seq > 1 else P(), stage_aux=stage_aux)
+            input_spec=P("seq") if par.seq > 1 else P(), stage_aux=stage_aux, routed_inputs=self.routed_inputs())
 
     def steady_step(self, previous, params, previous_batch, batch, inflight):
         """One step of the steady schedule (2bw): `((loss sum, grads) of the previous batch's part run in

@@ -99,7 +99,7 @@ def memory_report(config, devices=None) -> MemoryReport:
     devices = list(jax.devices() if devices is None else devices)
     trainer = Trainer(make_plan(config, len(devices)), devices=devices)
     state = trainer.abstract_state()
-    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding)
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
              for k, a in abstract_batch(config).items()}
     # XLA:TPU stops at its first estimate over the chip's HBM; this lets it finish, so a step that does not
     # fit still gets its full figures.
@@ -112,7 +112,7 @@ def memory_report(config, devices=None) -> MemoryReport:
         params=params,
         optimizer=_bytes_on_device(state["opt_state"], trainer.state_shardings["opt_state"]),
         gradients=grads,
-        batch=_bytes_on_device(batch, {k: trainer.batch_sharding for k in batch}),
+        batch=_bytes_on_device(batch, trainer.batch_shardings),
         xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
         pipeline=_bytes_on_device(state["pipeline"], trainer.state_shardings["pipeline"]) if trainer.steady else 0)

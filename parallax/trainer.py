@@ -78,7 +78,10 @@ class Trainer:
             "params": self.param_shardings,
             "opt_state": _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh),
         }
-        self.batch_sharding = sharding.batch_sharding(self.mesh, plan.rules)
+        self.batch_sharding = sharding.batch_sharding(self.mesh, plan.rules)  # rows: what each host loads
+        # Per batch key: the rows' sharding, and with a pipeline the inputs only one stage reads also split
+        # over `pipe` (`LossPath.routed_inputs`), so that only that rank receives them whole.
+        self.batch_shardings = {k: NamedSharding(self.mesh, self.loss.batch_spec(k)) for k in abstract_batch(self.config)}
         self.steady = steady
         if self.steady:
             self._check_steady()
@@ -88,7 +91,7 @@ class Trainer:
         self._init = jax.jit(self._init_state, static_argnums=0, out_shardings=self.state_shardings)
         self.loss_and_grads = jax.jit(self._loss_and_grads, out_shardings=(replicated, self.param_shardings))
         self.train_step = jax.jit(self._train_step, donate_argnums=0,
-                                  in_shardings=(self.state_shardings, self.batch_sharding),
+                                  in_shardings=(self.state_shardings, self.batch_shardings),
                                   out_shardings=(self.state_shardings, replicated))
         self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
 
@@ -130,7 +133,7 @@ class Trainer:
         abstract = self._steady_abstract()
         manual = NamedSharding(self.mesh, P(self.loss.steady_manual_axes()))
         return {"previous": self.param_shardings, "grads": self.param_shardings, "loss": replicated,
-                "batch": jax.tree.map(lambda _: self.batch_sharding, abstract["batch"]),
+                "batch": dict(self.batch_shardings),
                 "inflight": jax.tree.map(lambda _: manual, abstract["inflight"])}
 
     def empty_pipeline(self, params):
@@ -240,7 +243,7 @@ class Trainer:
 
     def device_batch(self, batch: dict) -> dict:
         """A host batch (this host's rows, see `host_rows`) -> global arrays with the batch sharding."""
-        return data_lib.to_global(batch, self.batch_sharding, self.config.train.global_batch_size)
+        return data_lib.to_global(batch, self.batch_shardings, self.config.train.global_batch_size)
 
     def host_rows(self) -> tuple[int, int]:
         """The rows of the global batch this host must load."""

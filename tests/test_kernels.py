@@ -150,7 +150,7 @@ def test_tiles_needed_is_causal_and_ignores_padding():
 
 def _temp_bytes(config) -> int:
     trainer = Trainer(config, devices=jax.devices())
-    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding)
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
              for k, a in abstract_batch(config).items()}
     compiled = trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes

@@ -28,7 +28,7 @@ def _config(schedule="1f1b", **mesh):
 
 def _compiled(config):
     trainer = Trainer(config, devices=jax.devices())
-    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding)
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
              for k, a in abstract_batch(config).items()}
     return trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch).compile()
 
@@ -67,3 +67,41 @@ def test_fsdp_inside_stages_shrinks_weight_and_optimizer_bytes_linearly():
 def test_first_stage_gets_the_embedding_and_last_stage_the_head_only(model, first, last):
     plan = make_plan(tiny_config(model, pipe=2, data=4), 8)
     assert LossPath(plan, None)._pipeline_parts() == (frozenset(first), frozenset(last))
+
+
+@pytest.mark.parametrize("schedule,pipe", [("1f1b", 4), ("zbv", 2)])
+def test_inputs_reach_only_the_rank_that_reads_them(schedule, pipe):
+    """Tokens go to the first stage's rank, targets and weights to the last's (zbv: both rank 0); segment
+    ids and positions, which every layer reads, to every rank. The routed arrays are stored split over
+    `pipe` along the sequence (each device holds T/p of them) and gathered by p - 1 single-pair permutes
+    into that rank, once per step: no other collective moves them."""
+    import re
+
+    import numpy as np
+
+    from parallax.train import make_dataset
+
+    config = _config(schedule, pipe=pipe, data=8 // pipe)
+    config.pipeline.virtual_stages = 2 if schedule == "zbv" else 1
+    trainer = Trainer(config, devices=jax.devices())
+    assert trainer.loss.routed_inputs() == {"inputs": "first", "targets": "last", "weights": "last"}
+    batch = trainer.device_batch(make_dataset(config).batch(0))
+    T, m, rows = config.train.seq_len, config.pipeline.microbatches, config.train.global_batch_size // (8 // pipe)
+    for key, array in batch.items():
+        held = {s.data.shape for s in array.addressable_shards}
+        assert held == {(rows, T // pipe if key in ("inputs", "targets", "weights") else T)}, (key, held)
+    first, last = (0, pipe - 1) if schedule == "1f1b" else (0, 0)
+    rank = {int(d.id): r for r in range(pipe)
+            for d in np.take(trainer.mesh.devices, r, axis=trainer.mesh.axis_names.index("pipe")).ravel()}
+    text = trainer.train_step.lower(trainer.abstract_state(), {
+        k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
+        for k, a in abstract_batch(config).items()}).compile().as_text()
+    piece = f"[{m},{rows // m},{T // pipe}]"
+    targets = []
+    for line in text.splitlines():
+        if piece in line.split("=", 1)[-1].split("(", 1)[0] and "collective-permute(" in line:
+            pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?,", line).group(1)
+            targets.append({rank[int(t)] for _, t in re.findall(r"(\d+),(\d+)", pairs)})
+        elif re.search(r"s32\[[^\]]*\][^=]*(all-gather|all-reduce|all-to-all)", line):
+            raise AssertionError(f"an int input moves by another collective: {line.strip()[:160]}")
+    assert sorted(map(sorted, targets)) == sorted([[first]] * (pipe - 1) + [[last]] * 2 * (pipe - 1))

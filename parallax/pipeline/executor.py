@@ -99,7 +99,7 @@ def _axes_of(spec) -> set:
 
 def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None,
                             layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
-                            input_spec=P(), stage_aux=False):
+                            input_spec=P(), stage_aux=False, routed_inputs=None):
     """Loss and gradients of a pipelined model, running `schedule` over the mesh axis `pipe`.
 
     The model is `sum_mb last_fn(last, stage_{S-1}(... stage_0(first_fn(first, mb)) ...), mb)`, where
@@ -139,7 +139,10 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     The shard_map is manual over `pipe`, the batch axes and the axes the specs name. Every weight is cast
     to varying over all of them before any vjp, so no transpose inserts a collective inside the loop; each
     gradient leaf is summed once, after the loop, over the manual axes its spec replicates it over. Every
-    rank gets every microbatch's inputs (replicated over `pipe`).
+    rank gets every microbatch's inputs (replicated over `pipe`), except `routed_inputs`: {key: 'first' |
+    'last'} for inputs only the first stage's function (first_fn) or only the last's (last_fn) reads; they
+    come split over `pipe` along dim 2 as well (the minor part: `P(None, rows, ('seq', 'pipe'))` with
+    `input_spec=P('seq')`), and are gathered on the rank that reads them before the loop.
 
     Collectives inside the functions run inside per-rank switch branches, so they must stay within one
     pipeline rank: those with replica groups (psum, all-gather, reduce-scatter, all-to-all over the model
@@ -148,11 +151,13 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     """
     if schedule.steady:
         raise ValueError(f"{schedule.name} is a steady schedule: run it with pipeline_steady_step")
-    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec)
+    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
+                          routed_inputs=routed_inputs)
     prog = compile_schedule(schedule)
     fns = (first_fn, _one_of(stage_fn, layer_fn), last_fn)
 
     def body(first_p, stage_p, last_p, inputs):
+        inputs = layout.gather(inputs)
         trace = _Trace(fns, layout.manual, remat, first_p, stage_p, last_p, inputs, stage_aux=stage_aux,
                        batch=layout.batch, layered=layer_fn is not None, split_w=True)
         trace.probe()
@@ -168,7 +173,7 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
 
 def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previous, inputs, mesh, inflight=None,
                          stage_fn=None, layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
-                         input_spec=P()):
+                         input_spec=P(), routed_inputs=None):
     """One step of a steady schedule (`2bw`): one window of an endless pipeline, with no flush.
 
     The window runs the current step's forwards with `params` and finishes the previous step's
@@ -186,13 +191,15 @@ def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previ
     if not schedule.steady:
         raise ValueError(f"{schedule.name} flushes every step: run it with pipeline_value_and_grad")
     m = schedule.num_microbatches
-    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m)
+    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m,
+                          routed_inputs=routed_inputs)
     _Layout.make(schedule, previous, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m)
     prog = compile_schedule(schedule)
     fns = (first_fn, _one_of(stage_fn, layer_fn), last_fn)
     spec = P(layout.manual)
 
     def body(prev_first, prev_stage, prev_last, first_p, stage_p, last_p, inputs, inflight):
+        inputs = layout.gather(inputs)
         trace = _Trace(fns, layout.manual, remat, first_p, stage_p, last_p, inputs, batch=layout.batch,
                        layered=layer_fn is not None, previous=(prev_first, prev_stage, prev_last))
         trace.probe()
@@ -218,14 +225,16 @@ def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previ
 
 
 def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None, layer_fn=None,
-                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False):
+                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False, routed_inputs=None):
     """The loss of `pipeline_value_and_grad` alone (evaluation): the same shard_map and layout, running
     only the schedule's F actions (`compile_schedule(..., forward_only=True)`); nothing is stored for a
     backward and no gradient is accumulated. Stages' aux losses are not included (last_fn's loss alone)."""
-    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec)
+    layout = _Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
+                          routed_inputs=routed_inputs)
     prog = compile_schedule(schedule, forward_only=True)
 
     def body(first_p, stage_p, last_p, inputs):
+        inputs = layout.gather(inputs)
         trace = _Trace((first_fn, _one_of(stage_fn, layer_fn), last_fn), layout.manual, False, first_p, stage_p,
                        last_p, inputs, forward_only=True, stage_aux=stage_aux, layered=layer_fn is not None)
         loss, _, _ = trace.run(prog)
@@ -256,10 +265,11 @@ class _Layout:
     batch_spec: P
     manual: tuple
     batch: tuple  # the batch axes of size > 1 (manual)
+    routed: tuple = ()  # (input key, the pipe rank that reads it): split over `pipe` along dim 2, see `gather`
 
     @classmethod
     def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
-             microbatches=None) -> "_Layout":
+             microbatches=None, routed_inputs=None) -> "_Layout":
         """Checks the arguments' shapes against the schedule and the mesh, and derives the specs."""
         p, v, m = schedule.num_ranks, schedule.num_chunks, microbatches or schedule.num_microbatches
         if mesh.shape.get("pipe") != p:
@@ -289,8 +299,35 @@ class _Layout:
         if unknown or set(batch) & _axes_of(input_spec):
             raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
                              f"{mesh.axis_names} other than pipe, and input_spec none of the batch axes {batch}")
-        return cls(mesh, specs, P(None, batch if batch else None, *input_spec),
-                   manual_axes(mesh, batch_axes, specs, input_spec), batch)
+        batch_spec = P(None, batch if batch else None, *input_spec)
+        routed = ()
+        if routed_inputs:
+            ranks = {"first": int(np.argwhere(schedule.stage_of == 0)[0][0]),
+                     "last": int(np.argwhere(schedule.stage_of == schedule.num_stages - 1)[0][0])}
+            for key, role in routed_inputs.items():
+                if role not in ranks or key not in inputs or inputs[key].ndim != 3 or inputs[key].shape[2] % p:
+                    raise ValueError(f"routed input {key!r} -> {role!r}: expected 'first' or 'last' for an input "
+                                     f"[m, rows, T] with T divisible by pipe={p}")
+            routed = tuple((key, ranks[role]) for key, role in sorted(routed_inputs.items()))
+            split = tuple(input_spec)[0] if len(input_spec) else None
+            split = ("pipe",) if split is None else (*((split,) if isinstance(split, str) else split), "pipe")
+            batch_spec = {k: P(None, batch if batch else None, split) if k in routed_inputs else batch_spec
+                          for k in inputs}
+        return cls(mesh, specs, batch_spec, manual_axes(mesh, batch_axes, specs, input_spec), batch, routed)
+
+    def gather(self, inputs):
+        """Inside the shard_map: each routed input whole on the rank that reads it (stage 0's rank for the
+        first stage's inputs, the last stage's rank for the last's), from the pieces the pipe ranks hold
+        (dim 2 split over `pipe`, the minor part of its split): p - 1 single-pair permutes, so only that
+        rank receives the input, once per step. On the other ranks the result is never read."""
+        if not self.routed:
+            return inputs
+        out, p = dict(inputs), self.mesh.shape["pipe"]
+        for key, owner in self.routed:
+            x = inputs[key]
+            out[key] = jnp.concatenate([x if r == owner else jax.lax.ppermute(x, "pipe", [(r, owner)])
+                                        for r in range(p)], axis=2)
+        return out
 
     def call(self, body, params, inputs, out_specs):
         in_specs = (self.specs["first"], self.specs["stages"], self.specs["last"], self.batch_spec)
