@@ -101,7 +101,9 @@ class LossPath:
         split over `pipe` as well and gathered on the one rank that reads them (the executor's
         `routed_inputs`), instead of every pipeline rank receiving them. Keys the layers read (segment ids,
         positions) go to every rank. Empty without a pipeline, when seq_len is not divisible by seq x pipe,
-        or with a zigzag sequence layout (all-gather attention reorders the tokens first)."""
+        or with a zigzag sequence layout (all-gather attention reorders the tokens first). Found by tracing
+        the model's single-device code (what each part's value depends on), so a model must read the same
+        batch keys in every layout."""
         if getattr(self, "_routed", None) is None:
             plan, sizes = self.plan, self.plan.sizes
             self._routed = {}
@@ -122,12 +124,12 @@ class LossPath:
         x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
         x0 = jnp.zeros(x.shape, x.dtype)
 
-        def keys(fn, params):  # the batch keys fn(params, mb) reads
-            read = _leaves_read(lambda t: fn(t["p"], t["mb"]), {"p": params, "mb": mb})
+        def keys(fn, params):  # the batch keys fn(params, mb)'s value depends on
+            read = _leaves_live(lambda t: fn(t["p"], t["mb"]), {"p": params, "mb": mb})
             return {k for k in mb if f"['mb']['{k}']" in read}
         first = keys(lambda p, b: model(p).embed(b, DENSE), rest)
         last = keys(lambda p, b: model(p).loss(x0, b, DENSE), rest)
-        layers = keys(lambda p, b: model_lib.apply_layer_aux(graphdef, p, x0, b, plan.remat, DENSE)[0], one)
+        layers = keys(lambda p, b: model_lib.apply_layer_aux(graphdef, p, x0, b, plan.remat, DENSE), one)  # + aux
         return {**{k: "first" for k in first - last - layers}, **{k: "last" for k in last - first - layers}}
 
     # --- dense and manual -----------------------------------------------------------------------------
@@ -299,6 +301,17 @@ def _leaves_read(fn, tree) -> frozenset:
     closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
     used = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars} | {id(v) for v in closed.jaxpr.outvars}
     return frozenset(path for path, var in zip(_paths(tree), closed.jaxpr.invars) if id(var) in used)
+
+
+def _leaves_live(fn, tree) -> frozenset:
+    """Paths of the leaves of `tree` that `fn(tree)`'s value depends on: `_leaves_read` after dead-code
+    elimination, so that an input only reshaped or padded along the way (the chunked loss splits every
+    batch key into chunks, and reads only some) does not count."""
+    from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent
+    leaves, treedef = jax.tree.flatten(tree)
+    closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
+    _, live = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return frozenset(path for path, used in zip(_paths(tree), live) if used)
 
 
 def _subtree(tree, keep: frozenset):

@@ -105,3 +105,32 @@ def test_inputs_reach_only_the_rank_that_reads_them(schedule, pipe):
         elif re.search(r"s32\[[^\]]*\][^=]*(all-gather|all-reduce|all-to-all)", line):
             raise AssertionError(f"an int input moves by another collective: {line.strip()[:160]}")
     assert sorted(map(sorted, targets)) == sorted([[first]] * (pipe - 1) + [[last]] * 2 * (pipe - 1))
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "moe"])
+def test_which_inputs_are_routed_sees_through_the_chunked_loss(model):
+    """What decides the routing is what each part's value depends on: the cross-entropy chunks every
+    batch key at seq_len > its chunk (2048 > 1024 here), tokens included, without reading the tokens. MoE
+    layers read the weights (their balance statistics count real tokens), so only tokens and targets go."""
+    import os
+
+    from helpers import ROOT
+    from parallax.config import load_config_file
+
+    if model == "moe":
+        config = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
+        for axis in config.mesh:
+            config.mesh[axis] = 1
+        config.mesh.update(pipe=2, data=4)
+    else:
+        config = tiny_config(model, pipe=2, data=4)
+        config.model.num_layers = 4
+    config.train.seq_len = 2048
+    if model == "gpt2":
+        config.model.max_positions = 2048
+    config.pipeline.update(schedule="1f1b", microbatches=4)
+    plan = make_plan(config, 8)
+    routed = LossPath(plan, plan.make_mesh(jax.devices())).routed_inputs()
+    want = {"inputs": "first", "targets": "last"} if model == "moe" else \
+        {"inputs": "first", "targets": "last", "weights": "last"}
+    assert routed == want

@@ -304,13 +304,14 @@ class _Layout:
         if routed_inputs:
             ranks = {"first": int(np.argwhere(schedule.stage_of == 0)[0][0]),
                      "last": int(np.argwhere(schedule.stage_of == schedule.num_stages - 1)[0][0])}
-            for key, role in routed_inputs.items():
-                if role not in ranks or key not in inputs or inputs[key].ndim != 3 or inputs[key].shape[2] % p:
-                    raise ValueError(f"routed input {key!r} -> {role!r}: expected 'first' or 'last' for an input "
-                                     f"[m, rows, T] with T divisible by pipe={p}")
-            routed = tuple((key, ranks[role]) for key, role in sorted(routed_inputs.items()))
             split = tuple(input_spec)[0] if len(input_spec) else None
             split = ("pipe",) if split is None else (*((split,) if isinstance(split, str) else split), "pipe")
+            pieces = int(np.prod([mesh.shape[a] for a in split]))
+            for key, role in routed_inputs.items():
+                if role not in ranks or key not in inputs or inputs[key].ndim != 3 or inputs[key].shape[2] % pieces:
+                    raise ValueError(f"routed input {key!r} -> {role!r}: expected 'first' or 'last' for an input "
+                                     f"[m, rows, T] with T divisible by {' x '.join(split)} = {pieces}")
+            routed = tuple((key, ranks[role]) for key, role in sorted(routed_inputs.items()))
             batch_spec = {k: P(None, batch if batch else None, split) if k in routed_inputs else batch_spec
                           for k in inputs}
         return cls(mesh, specs, batch_spec, manual_axes(mesh, batch_axes, specs, input_spec), batch, routed)
