@@ -17,8 +17,11 @@ train: $(STAMP)
 	$(PY) launch/train.py --config=configs/quickstart.py --workdir=$(WORKDIR)
 	$(PY) launch/sample.py --workdir=$(WORKDIR)
 
+# The suite runs in TEST_JOBS processes (pytest-xdist; 0 = in this process), then the `serial` tests alone.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q --durations=40 -n $(TEST_JOBS) --dist worksteal -m "not serial" tests
+	$(PY) -m pytest -q --durations=10 -m serial tests
 
 # Mutation testing (mutmut; not part of CI): the files and tests named in pyproject.toml [tool.mutmut];
 # MUTANTS picks the functions in scope (globs over mutmut's mutant names, `mutmut results --all true`

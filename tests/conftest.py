@@ -1,9 +1,24 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
-import os
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere.
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+Compile time is most of the suite's time (a warm compilation cache runs tests/test_eval.py 4x faster), and
+almost all of it is XLA:CPU's LLVM code generation, not the HLO passes. So the tests ask for cheap code:
+LLVM at -O0 without its expensive passes, and (jaxlib < 0.11, where the flag exists) the older loop
+emitters instead of the MLIR fusion emitters. The HLO programs -- what the tests count collectives and
+bytes in, and what the parity tests compare -- are the same; only the machine code is less optimised.
+This halves the suite's wall time. `PARALLAX_TEST_XLA_DEFAULTS=1` keeps XLA's default code generation
+(the Python 3.12 smoke subset in .ci/run runs that way).
+"""
+import os
+from importlib import metadata
+
+_flags = ["--xla_force_host_platform_device_count=8"]
+if os.environ.get("PARALLAX_TEST_XLA_DEFAULTS", "0") != "1":
+    _flags += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    jaxlib = tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
+    if jaxlib < (0, 11):  # unknown to jaxlib 0.12 (an unknown XLA flag aborts the process)
+        _flags.append("--xla_cpu_use_fusion_emitters=false")
+# Subprocesses the tests start (launch/*.py, multi-process runs) inherit these through the environment.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_flags]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

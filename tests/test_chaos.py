@@ -26,6 +26,9 @@ from parallax.checkpoint import Checkpointer
 from parallax.train import train_and_evaluate
 from parallax.trainer import Trainer
 
+# Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.
+pytestmark = pytest.mark.serial
+
 PROGRESS = re.compile(r"\] +\d+% step \d+/")  # a progress line: a step has run (not "resumed from ... step N")
 STEPS, KILLS, SEED = 60, 5, 1234  # 5 kills x at most ~8 steps each (0.1 s/step) stay short of STEPS
 DEVICES = 2

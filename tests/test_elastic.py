@@ -20,6 +20,9 @@ from parallax.checkpoint import Checkpointer
 from parallax.train import train_and_evaluate
 from parallax.trainer import Trainer
 
+# Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.
+pytestmark = pytest.mark.serial
+
 MESHES = {8: dict(fsdp=4, tensor=2), 4: dict(fsdp=2, data=2), 1: dict()}
 
 

@@ -20,6 +20,9 @@ from parallax.config import ConfigError
 from parallax.defaults import default_config
 from parallax.train import train_and_evaluate
 
+# Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.
+pytestmark = pytest.mark.serial
+
 
 def _dist(**kw):
     dist = ml_collections.ConfigDict(dict(default_config("llama").dist))

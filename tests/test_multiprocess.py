@@ -17,6 +17,9 @@ import pytest
 from helpers import ROOT, tiny_config
 from parallax.train import train_and_evaluate
 
+# Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.
+pytestmark = pytest.mark.serial
+
 
 def _free_port() -> int:
     with socket.socket() as s:
