@@ -25,6 +25,8 @@ schedule of the same shape (an evaluation, a synchronous gradient for the tools)
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -113,24 +115,32 @@ class LossPath:
         return self._routed
 
     def _find_routed(self) -> dict:
-        plan, mb = self.plan, zero_row_batch(self.plan)
-        rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
-        no_blocks = plan.abstract_params["blocks"]
-        graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), plan.abstract_params["blocks"])
-
-        def model(p):
-            return nnx.merge(plan.graphdef, {**p, "blocks": no_blocks})
-        x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
-        x0 = jnp.zeros(x.shape, x.dtype)
+        t = self._tracing()
 
         def keys(fn, params):  # the batch keys fn(params, mb)'s value depends on
-            read = _leaves_live(lambda t: fn(t["p"], t["mb"]), {"p": params, "mb": mb})
-            return {k for k in mb if f"['mb']['{k}']" in read}
-        first = keys(lambda p, b: model(p).embed(b, DENSE), rest)
-        last = keys(lambda p, b: model(p).loss(x0, b, DENSE), rest)
-        layers = keys(lambda p, b: model_lib.apply_layer_aux(graphdef, p, x0, b, plan.remat, DENSE), one)  # + aux
+            read = _leaves_live(lambda a: fn(a["p"], a["mb"]), {"p": params, "mb": t.mb})
+            return {k for k in t.mb if f"['mb']['{k}']" in read}
+        first = keys(lambda p, b: t.model(p).embed(b, DENSE), t.rest)
+        last = keys(lambda p, b: t.model(p).loss(t.x0(), b, DENSE), t.rest)
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t.blocks)  # one layer
+        layers = keys(lambda p, b: model_lib.apply_layer_aux(t.graphdef, p, t.x0(), b, self.plan.remat, DENSE),
+                      one)  # its aux values count too
         return {**{k: "first" for k in first - last - layers}, **{k: "last" for k in last - first - layers}}
+
+    def _tracing(self) -> _Tracing:
+        """The pieces the abstract traces of the model's parts below share (built once)."""
+        if getattr(self, "_traced", None) is None:
+            plan = self.plan
+            rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
+            blocks = plan.abstract_params["blocks"]
+            graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
+            mb = zero_row_batch(plan)
+
+            def model(p):
+                return nnx.merge(plan.graphdef, {**p, "blocks": blocks})
+            x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
+            self._traced = _Tracing(mb, rest, blocks, graphdef, model, x)
+        return self._traced
 
     # --- dense and manual -----------------------------------------------------------------------------
 
@@ -149,26 +159,17 @@ class LossPath:
     def _pipeline_parts(self):
         """(keys of the non-block parameter leaves `embed` reads, those `loss` reads), as flat paths."""
         if getattr(self, "_parts", None) is None:
-            plan, mb = self.plan, zero_row_batch(self.plan)
-            rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
-            no_blocks = plan.abstract_params["blocks"]
-
-            def model(p):
-                return nnx.merge(plan.graphdef, {**p, "blocks": no_blocks})
-            x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
-            self._parts = (_leaves_read(lambda p: model(p).embed(mb, DENSE), rest),
-                           _leaves_read(lambda p: model(p).loss(jnp.zeros(x.shape, x.dtype), mb, DENSE), rest))
+            t = self._tracing()
+            self._parts = (_leaves_read(lambda p: t.model(p).embed(t.mb, DENSE), t.rest),
+                           _leaves_read(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest))
         return self._parts
 
     def _stage_aux(self) -> bool:
         """Whether the blocks' layers return aux values (traced once, abstractly, on one layer)."""
         if getattr(self, "_has_aux", None) is None:
-            plan, mb = self.plan, zero_row_batch(self.plan)
-            graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
-            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
-                               plan.abstract_params["blocks"])
-            x = jax.eval_shape(lambda p: nnx.merge(plan.graphdef, p).embed(mb, DENSE), plan.abstract_params)
-            aux = jax.eval_shape(lambda c, x: model_lib.apply_blocks_aux(graphdef, c, x, mb)[1], one, x)
+            t = self._tracing()
+            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), t.blocks)
+            aux = jax.eval_shape(lambda c, x: model_lib.apply_blocks_aux(t.graphdef, c, x, t.mb)[1], one, t.x)
             self._has_aux = bool(aux)
         return self._has_aux
 
@@ -283,6 +284,20 @@ class LossPath:
         rest = {k: v for k, v in params.items() if k != "blocks"}
         rest_grads = _combine(rest, grads["first"], grads["last"])
         return loss, {**rest_grads, "blocks": executor.from_pipeline_layout(grads["stages"], schedule)}, aux
+
+
+class _Tracing(NamedTuple):
+    """A zero-row microbatch, the non-block parameters, the stacked blocks (all abstract), the blocks'
+    graphdef, `model(rest)`: the model on those, and `x`: the residual stream's shape after `embed`."""
+    mb: dict
+    rest: dict
+    blocks: dict
+    graphdef: object
+    model: Callable
+    x: jax.ShapeDtypeStruct
+
+    def x0(self):
+        return jnp.zeros(self.x.shape, self.x.dtype)
 
 
 def zero_row_batch(plan) -> dict:
