@@ -80,7 +80,7 @@ def bench_pipeline(steps):
     from parallax.trainer import Trainer
 
     from parallax.pipeline import work
-    from parallax.pipeline.executor import compile_schedule
+    from parallax.pipeline.program import compile_schedule
 
     print("\n| schedule | p | m | ticks | matmul GFLOP per step (counted per branch) | temp MiB (compiled) |"
           "\n|---|---|---|---|---|---|")
@@ -96,11 +96,11 @@ def bench_pipeline(steps):
             state = trainer.init_state()
             batch = trainer.device_batch(dataset.batch(0))
             step = trainer._loss_and_grads
-            if trainer.steady:  # 2bw: one window, finishing the previous batch with its weights
+            if schedule == "2bw":  # one window, finishing the previous batch with its weights
                 def step(state, batch):
                     pipe = state["pipeline"]
-                    return trainer.loss.steady_step(pipe["previous"], state["params"], pipe["batch"], batch,
-                                                    pipe["inflight"])
+                    return trainer.path.window(pipe["previous"], state["params"], pipe["batch"], batch,
+                                               pipe["inflight"])
             else:
                 state = state["params"]
             compiled = jax.jit(step).lower(state, batch).compile()
@@ -108,7 +108,7 @@ def bench_pipeline(steps):
             jaxpr = jax.make_jaxpr(step)(state, batch)
             gflop = work.step_flops(jaxpr, compile_schedule(trainer.plan.schedule))["total"] / 1e9
             held = f"{temp:.2f}"
-            if trainer.steady:  # its slots and inbox are arguments (kept in the train state), not temp
+            if schedule == "2bw":  # its slots and inbox are arguments (kept in the train state), not temp
                 inflight = jax.tree.leaves(state["pipeline"]["inflight"])  # leading dim: the devices
                 held += f" + {sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in inflight) / 2**20:.2f} in flight"
             print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {gflop:.3f} | {held} |", flush=True)

@@ -383,8 +383,9 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
     opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.state_shardings["opt_state"])(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), trainer.state_shardings["step"])
     state = {"step": step, "params": params, "opt_state": opt_state}
-    if trainer.steady:  # 2bw: an empty pipeline whose previous weights are the imported ones
-        state["pipeline"] = jax.jit(trainer.empty_pipeline, out_shardings=trainer.state_shardings["pipeline"])(params)
+    if trainer.path.state_keys:  # e.g. 2bw: an empty pipeline whose previous weights are the imported ones
+        state.update(jax.jit(trainer.path.init_extra, out_shardings={
+            k: trainer.state_shardings[k] for k in trainer.path.state_keys})(params))
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))

@@ -115,7 +115,7 @@ def memory_report(config, devices=None) -> MemoryReport:
         batch=_bytes_on_device(batch, trainer.batch_shardings),
         xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
-        pipeline=_bytes_on_device(state["pipeline"], trainer.state_shardings["pipeline"]) if trainer.steady else 0)
+        pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys))
 
 
 def advice(config, report: MemoryReport, hbm_bytes: float) -> list[str]:

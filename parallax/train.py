@@ -21,6 +21,7 @@ from etils import epath
 from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
+from parallax import paths
 from parallax.config import ConfigError, config_from_json
 from parallax.defaults import with_defaults
 from parallax.summary import TensorBoardWriter
@@ -88,9 +89,8 @@ def check_resume(config, saved_json: str) -> None:
     """Raises ConfigError if `config` changes a key that an exact resume depends on (vs the saved config).
 
     The mesh, the pipeline, logging keys and the memory knobs `model.attention_block` / `model.loss_chunk`
-    may change (except in a 2bw run, whose checkpoint holds microbatches in flight laid out for its mesh and
-    pipeline; nor may a run switch to or from 2bw); the rest of the model, data, optimizer, seed, batch and
-    sequence length may not. The LR
+    may change (unless a step path's state depends on them: `StepPath.check_resume`); the rest of the
+    model, data, optimizer, seed, batch and sequence length may not. The LR
     schedule's horizon (`optim.decay_steps`, or `train.steps` when it is 0) may not change either, but how it
     is spelled may: a run of `train.steps=3` with `decay_steps=0` continues with `decay_steps=3` and any
     `train.steps` -- the fix the refusal suggests.
@@ -109,21 +109,7 @@ def check_resume(config, saved_json: str) -> None:
             raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was trained with "
                               f"{saved[key]!r}, so resuming would not continue the same run; use a new --workdir "
                               "to start a different run")
-    if "2bw" in (saved.get("pipeline.schedule"), now.get("pipeline.schedule")) and \
-            saved.get("pipeline.schedule") != now.get("pipeline.schedule"):
-        raise ConfigError(f"config.pipeline.schedule={now.get('pipeline.schedule')!r}: the checkpoint in this workdir "
-                          f"was trained with pipeline.schedule={saved.get('pipeline.schedule')!r}, and a run cannot "
-                          f"switch to or from 2bw (its gradients are one step late and its state holds microbatches "
-                          f"in flight); resume with pipeline.schedule={saved.get('pipeline.schedule')!r}")
-    if now.get("pipeline.schedule") == "2bw":
-        # A 2bw checkpoint holds microbatches in flight, in the executor's per-device slots: their layout is the
-        # mesh's, the pipeline's and the layers' (what their residuals are), so none of those may change.
-        for key in [k for k in now if k.startswith(("mesh.", "pipeline."))] + \
-                ["model.attention", "model.attention_block", "model.loss_chunk"]:
-            if key in now and saved.get(key, now[key]) != now[key]:
-                raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir holds a 2bw pipeline's "
-                                  f"in-flight microbatches, laid out for {key}={saved[key]!r}; resume with "
-                                  f"{key}={saved[key]!r} (a 2bw run keeps its mesh and pipeline)")
+    paths.check_resume(saved, now)  # each step path's own rules (`StepPath.check_resume`)
     if "train.steps" in saved and "optim.decay_steps" in saved:
         horizon = saved["optim.decay_steps"] or saved["train.steps"]  # lr_schedule's: decay_steps or train.steps
         if (now["optim.decay_steps"] or now["train.steps"]) != horizon:
@@ -132,17 +118,6 @@ def check_resume(config, saved_json: str) -> None:
                               f"as the LR schedule's length (train.steps={saved['train.steps']}, optim.decay_steps="
                               f"{saved['optim.decay_steps']}), so resuming would not continue the same run; set "
                               f"optim.decay_steps={horizon} to extend the run with the same LR schedule")
-
-
-def _check_inflight_layout(saved: dict, abstract: dict, trainer) -> None:
-    """Raises ConfigError unless a 2bw checkpoint's in-flight state has this mesh's per-device layout (the
-    device count and the sharding rules decide it, besides the config keys `check_resume` compares)."""
-    want = [a.shape for a in jax.tree.leaves(abstract["pipeline"]["inflight"])]
-    got = [tuple(a.shape) for a in jax.tree.leaves(saved.get("pipeline", {}).get("inflight", {}))]
-    if got != want:
-        raise ConfigError(f"this checkpoint's 2bw in-flight microbatches were laid out for another mesh (their "
-                          f"shapes {got[:2]}..., this mesh's {want[:2]}...; now {mesh_lib.describe(trainer.mesh)}); "
-                          f"resume on the devices and with the sharding rules it was saved with")
 
 
 def _stop_requested(flag: bool) -> bool:
@@ -246,8 +221,8 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log):
         state = trainer.init_state()
     else:
         abstract = trainer.abstract_state()
-        if trainer.steady:
-            _check_inflight_layout(checkpointer.saved_tree(start), abstract, trainer)
+        if trainer.path.state_keys:  # its state may be laid out for one mesh
+            trainer.path.check_restore(checkpointer.saved_tree(start), abstract)
         state = checkpointer.restore(abstract, start)  # straight onto the mesh's shardings
         log(f"resumed from {checkpointer.directory} at step {start}")
     if lead:  # only once the state is in hand: a refused resume leaves the workdir as it was
@@ -300,6 +275,9 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), **speed.metrics(dt), "step_time_s": dt,
                   "epoch": round(dataset.epoch(step), 6)}
+        if not metrics["completed"]:  # no batch completed (a pipeline without flush, at its first step):
+            # no loss to log (NaN is not JSON)
+            del record["loss"], record["grad_norm"]
         record.update({k: float(v) for k, v in metrics.get("model", {}).items()})  # e.g. MoE router statistics
         if step == first_step + 1:
             record["includes_compile"] = True
@@ -311,9 +289,8 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
             if metrics_path is not None:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
-            if tensorboard is not None:  # a 2bw run's first step completes no batch: its NaN loss is no point
-                first_2bw = trainer.steady and step == 1
-                tensorboard.write({k: v for k, v in record.items() if not (first_2bw and k == "loss")})
+            if tensorboard is not None:
+                tensorboard.write(record)
             eta = (time.perf_counter() - run_start) / (step - first_step) * (t.steps - step)
             log(_progress_line(record, t.steps, eta))
         signalled = _stop_requested(stop_requested())
@@ -345,9 +322,10 @@ def _progress_line(record, steps, eta) -> str:
     step, width = record["step"], 20
     done = int(width * step / max(steps, 1))
     bar = "[" + "#" * done + "-" * (width - done) + f"] {100 * step / max(steps, 1):3.0f}%"
-    line = (f"{bar} step {step}/{steps} loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
-            f"lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s {record['step_time_s']:.3f} s/step "
-            f"eta {eta:.0f}s")
+    losses = (f"loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f}" if "loss" in record else
+              "(no batch completed yet)")
+    line = (f"{bar} step {step}/{steps} {losses} lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s "
+            f"{record['step_time_s']:.3f} s/step eta {eta:.0f}s")
     if "mfu" in record:
         line += f" mfu {100 * record['mfu']:.1f}%"
     if "eval_loss" in record:

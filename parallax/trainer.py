@@ -1,22 +1,12 @@
 """The train state and the jitted steps: shardings, the optimizer, `train_step` and `eval_step`.
 
 `train_step(state, batch) -> (state, metrics)` is a pure function jitted once with explicit in/out
-shardings and donated state. The state is a dict of pure pytrees: `{'step', 'params', 'opt_state'}`; the
-data position is the step, since a batch is a function of (seed, step). The loss is the weighted token
-mean over the *global* batch: with `train.microbatches = M` each microbatch contributes its weighted loss
-sum divided by the global weight total, so accumulation is exact, not an average of averages. Eval runs
-the same loss path as training, forward only (`parallax.loss`).
-
-With the steady pipeline schedule `2bw` (PipeDream-2BW) the state also holds `'pipeline'`: what is in
-flight between steps. A batch's forwards run with the current weights in its own step and its last
-backwards in the next step, with the same weights, kept as `previous` (the second weight version); so the
-update of step t applies the gradient of batch t-1 computed at the weights of step t-1: `optim.grad_delay=1`
-exactly while every step is finite (with `nan_policy=skip`, 2bw drops a non-finite completed gradient and
-still finishes the batch in flight; grad_delay drops the fresh one). `'pipeline'` holds `previous`, the
-gradient and loss sums of the current batch's part run so far (`grads`, `loss`), the current batch (its
-last microbatches run in the next step) and the executor's activation slots and inbox (`inflight`).
-Checkpoints save all of it, so resume is exact. The step's `loss` metric is the previous batch's (the one
-whose gradient it applies): NaN at the first step, which applies nothing.
+shardings and donated state. The state is a dict of pure pytrees: `{'step', 'params', 'opt_state'}`, plus
+the entries the step path adds (`StepPath.state_keys`, e.g. a pipeline's microbatches in flight); the
+data position is the step, since a batch is a function of (seed, step). How a step computes its loss and
+gradients is the step path's (`parallax.paths`): dense, manual or pipelined; the trainer applies
+them (`update`). The loss is the weighted token mean over the *global* batch. Eval runs the same loss path
+as training, forward only.
 """
 
 from __future__ import annotations
@@ -29,8 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import data as data_lib
 from parallax import optim, sharding
-from parallax.config import ConfigError
-from parallax.loss import LossPath
+from parallax.paths import make_path
 from parallax.plan import Plan, abstract_batch, make_plan
 
 
@@ -64,28 +53,24 @@ class Trainer:
             plan = make_plan(config_or_plan, len(devices) if mesh is None else mesh.size)
         self.plan, self.config = plan, plan.config
         self.mesh = plan.make_mesh(devices) if mesh is None else mesh
-        self.loss = LossPath(plan, self.mesh)
+        self.path = make_path(plan, self.mesh)
         self.abstract_params, self.logical = plan.abstract_params, plan.logical
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, plan.rules)
         self.lr_schedule = optim.lr_schedule(self.config.optim, self.config.train.steps)
-        steady = plan.schedule is not None and plan.schedule.steady  # 2bw: gradients arrive one step stale
         self.tx = optim.make_optimizer(self.config.optim, self.config.train.steps, self.logical, self.mesh,
-                                       stale_gradients=steady)
+                                       stale_gradients=self.path.stale_gradients)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         replicated = NamedSharding(self.mesh, P())
         self.state_shardings = {
             "step": replicated,
             "params": self.param_shardings,
             "opt_state": _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh),
+            **self.path.extra_shardings(self.param_shardings),
         }
         self.batch_sharding = sharding.batch_sharding(self.mesh, plan.rules)  # rows: what each host loads
         # Per batch key: the rows' sharding, and with a pipeline the inputs only one stage reads also split
-        # over `pipe` (`LossPath.routed_inputs`), so that only that rank receives them whole.
-        self.batch_shardings = {k: NamedSharding(self.mesh, self.loss.batch_spec(k)) for k in abstract_batch(self.config)}
-        self.steady = steady
-        if self.steady:
-            self._check_steady()
-            self.state_shardings["pipeline"] = self._steady_shardings()
+        # over `pipe`, so that only that rank receives them whole.
+        self.batch_shardings = self.path.batch_shardings()
         self.num_params = plan.num_params
 
         self._init = jax.jit(self._init_state, static_argnums=0, out_shardings=self.state_shardings)
@@ -108,126 +93,50 @@ class Trainer:
 
     def _init_state(self, seed: int):
         params = nnx.to_pure_dict(nnx.state(self.plan.new_model(seed)))
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
-        if self.steady:
-            state["pipeline"] = self.empty_pipeline(params)
-        return state
-
-    # --- the steady schedule (2bw) ---------------------------------------------------------------------
-
-    def _check_steady(self):
-        if self.loss._stage_aux():
-            raise ConfigError("config.pipeline.schedule='2bw' does not run layers with aux values (this model's "
-                              "MoE layers) yet; use pipeline.schedule=1f1b, zb_h1 or zbv")
-
-    def _steady_abstract(self):
-        """Shapes of the state's `'pipeline'` part; its in-flight leaves from tracing the executor."""
-        batch = abstract_batch(self.config)
-        inflight = jax.eval_shape(lambda p, b: self.loss.steady_step(p, p, b, b, None)[2], self.abstract_params, batch)
-        f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), self.abstract_params)
-        scalar = jax.ShapeDtypeStruct((), jnp.float32)
-        return {"previous": self.abstract_params, "grads": f32, "loss": scalar, "batch": batch, "inflight": inflight}
-
-    def _steady_shardings(self):
-        replicated = NamedSharding(self.mesh, P())
-        abstract = self._steady_abstract()
-        manual = NamedSharding(self.mesh, P(self.loss.steady_manual_axes()))
-        return {"previous": self.param_shardings, "grads": self.param_shardings, "loss": replicated,
-                "batch": dict(self.batch_shardings),
-                "inflight": jax.tree.map(lambda _: manual, abstract["inflight"])}
-
-    def empty_pipeline(self, params):
-        """The `'pipeline'` state of an empty pipeline (before the first step): `previous` = `params`, the
-        rest zeros (a batch of zero weights, so the first step's previous-batch part adds nothing)."""
-        abstract = self._steady_abstract()
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {k: abstract[k] for k in
-                                                                      ("grads", "loss", "batch", "inflight")})
-        return {"previous": params, **zeros}
-
-    def _train_step_steady(self, state, batch):
-        pipe = state["pipeline"]
-        (loss_prev, grads_prev), (loss_cur, grads_cur), inflight = self.loss.steady_step(
-            pipe["previous"], state["params"], pipe["batch"], batch, pipe["inflight"])
-        total = jnp.maximum(jnp.sum(pipe["batch"]["weights"]), 1.0)  # the previous batch's: it completes now
-        loss = (pipe["loss"] + loss_prev) / total
-        grads = jax.tree.map(lambda a, g: (a + g) / total, pipe["grads"], grads_prev)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        started = state["step"] > 0  # the first step completes no batch: it applies nothing
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        apply = started & (finite if self.config.train.nan_policy == "skip" else True)
-        kept = jax.tree.map(lambda a, b: jnp.where(apply, a, b), {"params": params, "opt_state": opt_state},
-                            {"params": state["params"], "opt_state": state["opt_state"]})
-        new = {"step": state["step"] + 1, **kept,
-               "pipeline": {"previous": state["params"], "grads": grads_cur, "loss": loss_cur, "batch": batch,
-                            "inflight": inflight}}
-        metrics = {"loss": jnp.where(started, loss, jnp.nan), "grad_norm": grad_norm,
-                   "lr": self.lr_schedule(optim.schedule_count(state["opt_state"])), "finite": finite | ~started}
-        return new, metrics
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
+                **self.path.init_extra(params)}
 
     def _loss_and_grads(self, params, batch):
         """Mean token loss over the global batch and its gradients, accumulated over microbatches in fp32."""
-        return self._loss_grads_aux(params, batch)[:2]
-
-    def _loss_grads_aux(self, params, batch):
-        """(mean loss, gradients, aux): `_loss_and_grads` and the layers' global aux sums (summed over
-        microbatches; {} for a model without aux values). The loss includes the aux losses."""
-        total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
-        m = int(self.config.train.microbatches)
-        if m == 1:
-            loss, grads, aux = self.loss.sum_and_grads(params, batch)
-            return loss / total, jax.tree.map(lambda g: g / total, grads), aux
-
-        def body(carry, mb):
-            loss_acc, grad_acc, aux_acc = carry
-            loss, grads, aux = self.loss.sum_and_grads(params, mb)
-            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total, grad_acc, grads)
-            return (loss_acc + loss / total, grad_acc, jax.tree.map(jnp.add, aux_acc, aux)), None
-
-        mbs = self.loss.split_microbatches(batch, m)
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        aux_shapes = jax.eval_shape(lambda: self.loss.sum_and_grads(params, jax.tree.map(lambda a: a[0], mbs))[2])
-        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
-        (loss, grads, aux), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros, aux_zeros), mbs)
-        return loss, grads, aux
+        return self.path.loss_grads_aux(params, batch)[:2]
 
     def _train_step(self, state, batch):
-        if self.steady:
-            return self._train_step_steady(state, batch)
-        loss, grads, aux = self._loss_grads_aux(state["params"], batch)
+        return self.path.train_step(self.update, state, batch)
+
+    def update(self, state, batch, loss, grads, aux, completed=True):
+        """The step after applying `grads` (of `batch`, mean `loss`) with the optimizer: (state of
+        `step, params, opt_state`, metrics). `completed=False` (a traced bool) is a step that completed no
+        batch: it applies nothing, and its metrics say so (`completed`; its loss is not a batch's)."""
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         if aux:  # e.g. a router's balancing bias, updated outside the optimizer (`Model.after_step`)
             params = self.plan.model_class.after_step(self.plan.model_config, params, aux)
-        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if self.config.train.nan_policy == "skip":  # the batch is consumed (step advances), nothing applied:
-            new = {"step": new["step"], **jax.tree.map(lambda a, b: jnp.where(finite, a, b),  # the optimizer's
-                                                        {k: new[k] for k in ("params", "opt_state")},  # counts stay
-                                                        {k: state[k] for k in ("params", "opt_state")})}
+        # The batch is consumed (the step advances) and nothing applied where `apply` is False: the
+        # optimizer's counts stay.
+        apply = finite if self.config.train.nan_policy == "skip" else None
+        if completed is not True:
+            apply = completed if apply is None else completed & apply
+        kept = {"params": params, "opt_state": opt_state}
+        if apply is not None:
+            kept = jax.tree.map(lambda a, b: jnp.where(apply, a, b), kept,
+                                {"params": state["params"], "opt_state": state["opt_state"]})
         # The lr this update used: the schedule at the optimizer's count (updates applied so far), which lags
         # the step under grad_delay and after skipped steps, exactly as Adam's bias correction does.
-        metrics = {"loss": loss, "grad_norm": grad_norm,
-                   "lr": self.lr_schedule(optim.schedule_count(state["opt_state"])), "finite": finite}
+        completed = jnp.asarray(completed)
+        metrics = {"loss": jnp.where(completed, loss, jnp.nan), "grad_norm": jnp.where(completed, grad_norm, jnp.nan),
+                   "lr": self.lr_schedule(optim.schedule_count(state["opt_state"])), "finite": finite | ~completed,
+                   "completed": completed}
         if aux:
             weight_total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
             model_metrics = self.plan.model_class.aux_metrics(self.plan.model_config, aux, weight_total)
             metrics["model"] = {k: jnp.asarray(v, jnp.float32) for k, v in model_metrics.items()}
-        return new, metrics
+        return {"step": state["step"] + 1, **kept}, metrics
 
     def _eval_step(self, params, batch):
-        """[weighted loss sum, weight total] of one batch, by the training loss path (forward only), in
-        `train.microbatches` pieces as training does (so eval fits wherever a training step fits)."""
-        m = int(self.config.train.microbatches)
-        if m == 1:
-            loss = self.loss.sum(params, batch)
-        else:
-            sums, _ = jax.lax.scan(lambda acc, mb: (acc + self.loss.sum(params, mb), None),
-                                   jnp.zeros((), jnp.float32), self.loss.split_microbatches(batch, m))
-            loss = sums
-        return jnp.stack([loss, jnp.sum(batch["weights"])])
+        """[weighted loss sum, weight total] of one batch, by the training loss path (forward only)."""
+        return self.path.eval_sums(params, batch)
 
     # --- host side -----------------------------------------------------------------------------------
 

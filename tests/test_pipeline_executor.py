@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 from helpers import rel_err
-from parallax.pipeline import executor, program, work
+from parallax.pipeline import executor, layout, program, work
 from parallax.pipeline.schedule import B, BW, F, IDLE, W, make_schedule, unroll
 
 VOCAB, D, FF, T, ROWS, LAYERS, M = 32, 16, 32, 4, 8, 8, 4
@@ -82,11 +82,11 @@ def pipelined(sched, mesh, remat=False, layered=False):
     fn = {"layer_fn": layer_fn} if layered else {"stage_fn": stage_fn}
 
     def run(params, inputs):
-        staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+        staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                   "last": params["last"]}
         loss, g = executor.pipeline_value_and_grad(
             sched, first_fn=first_fn, last_fn=last_fn, params=staged, inputs=inputs, mesh=mesh, remat=remat, **fn)
-        return loss, {"first": g["first"], "layers": executor.from_pipeline_layout(g["stages"], sched),
+        return loss, {"first": g["first"], "layers": layout.from_pipeline_layout(g["stages"], sched),
                       "last": g["last"]}
     return jax.jit(run)
 
@@ -118,9 +118,9 @@ def test_schedule_grads_match_unpipelined(name, v, p, remat, layered):
 @pytest.mark.parametrize("name,v", SCHEDULES, ids=[n for n, _ in SCHEDULES])
 def test_forward_only_program_runs_only_the_forwards_and_gives_the_loss(name, v, p):
     sched = make_schedule(name, p, M, v)
-    full, fwd = executor.compile_schedule(sched), executor.compile_schedule(sched, forward_only=True)
-    assert set(fwd.branches) <= {program._IDLE, program._F, program._F_FIRST, program._F_LAST}
-    kinds = fwd.code[..., program._BRANCH]  # indices into fwd.branches, where 0 is idle
+    full, fwd = program.compile_schedule(sched), program.compile_schedule(sched, forward_only=True)
+    assert set(fwd.branches) <= {program.Op.IDLE, program.Op.F, program.Op.F_FIRST, program.Op.F_LAST}
+    kinds = fwd.code[..., program.Field.BRANCH]  # indices into fwd.branches, where 0 is idle
     assert (kinds != 0).sum() == M * sched.num_stages  # every F once
     assert fwd.num_ticks < full.num_ticks and (kinds != 0).any(axis=1).all()  # no all-idle tick left
     mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
@@ -128,7 +128,7 @@ def test_forward_only_program_runs_only_the_forwards_and_gives_the_loss(name, v,
 
     @jax.jit
     def loss(params, inputs):
-        staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+        staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                   "last": params["last"]}
         return executor.pipeline_loss(sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
                                       params=staged, inputs=inputs, mesh=mesh)
@@ -167,13 +167,13 @@ def test_grads_match_unpipelined_with_tensor_and_seq_manual_axes(name, v):
     params, inputs = make_model()
 
     def run(params, inputs):
-        staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+        staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                   "last": params["last"]}
         specs = {"stages": {"w1": P(None, None, "tensor"), "w2": P(None, "tensor", None), "g": P()}}
         loss, g = executor.pipeline_value_and_grad(
             sched, first_fn=first_fn, stage_fn=stage_fn_tensor_parallel, last_fn=last_fn_tensor_parallel, params=staged,
             inputs=inputs, mesh=mesh, param_specs=specs, input_spec=P("seq"))
-        return loss, {"first": g["first"], "layers": executor.from_pipeline_layout(g["stages"], sched),
+        return loss, {"first": g["first"], "layers": layout.from_pipeline_layout(g["stages"], sched),
                       "last": g["last"]}
     assert_matches_reference(*jax.jit(run)(params, inputs))
 
@@ -218,13 +218,13 @@ def test_scan_runs_schedule_num_ticks(name, v, p):
     sched = make_schedule(name, p, M, v)
     mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
     params, inputs = make_model()
-    staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+    staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
               "last": params["last"]}
     jaxpr = jax.make_jaxpr(lambda staged, inputs: executor.pipeline_value_and_grad(
         sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
         mesh=mesh))(staged, inputs)
     assert _tick_scan_lengths(jaxpr.jaxpr) == [sched.num_ticks]
-    assert executor.compile_schedule(sched).num_ticks == sched.num_ticks
+    assert program.compile_schedule(sched).num_ticks == sched.num_ticks
 
 
 def test_collectives_are_one_ppermute_per_send_pattern_and_one_final_reduction():
@@ -232,7 +232,7 @@ def test_collectives_are_one_ppermute_per_send_pattern_and_one_final_reduction()
     sched = make_schedule("zbv", 4, M, 2)
     mesh = jax.make_mesh((2, 4), ("data", "pipe"))
     params, inputs = make_model()
-    staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+    staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
               "last": params["last"]}
     hlo = jax.jit(lambda staged, inputs: executor.pipeline_value_and_grad(
         sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
@@ -245,7 +245,7 @@ def test_collectives_are_one_ppermute_per_send_pattern_and_one_final_reduction()
             if re.search(rf"= .*\b{op}(-start)?\(", line):
                 ops.setdefault(comp, []).append(op)
     loop_ops = sorted(op for comp, found in ops.items() if comp != "ENTRY" for op in found)
-    prog = executor.compile_schedule(sched)
+    prog = program.compile_schedule(sched)
     patterns = len(prog.send_patterns("up")[1]) + len(prog.send_patterns("down")[1])
     assert patterns >= 2 and loop_ops == ["collective-permute"] * patterns  # zbv sends both up and down
     assert ops["ENTRY"].count("all-reduce") <= 2  # the gradients and the loss, once, after the loop
@@ -255,7 +255,7 @@ def test_collectives_are_one_ppermute_per_send_pattern_and_one_final_reduction()
 def test_1f1b_like_buffers_do_not_grow_with_microbatches(name, v):
     sizes = set()
     for m in (8, 16, 32):
-        prog = executor.compile_schedule(make_schedule(name, 4, m, v))
+        prog = program.compile_schedule(make_schedule(name, 4, m, v))
         sizes.add((prog.inbox_size, prog.num_slots))
     assert len(sizes) == 1, sizes
 
@@ -286,18 +286,18 @@ def test_layers_not_divisible_into_stages_raise_with_fix():
     params, _ = make_model(layers=6)
     with pytest.raises(ValueError, match=r"6 layers do not split evenly into 4 pipeline stages .*"
                                          r"use a layer count divisible by 4"):
-        executor.to_pipeline_layout(params["layers"], sched)
+        layout.to_pipeline_layout(params["layers"], sched)
 
 
 def test_layout_round_trips():
     for name, v in SCHEDULES:
         sched = make_schedule(name, 4, M, v)
         stacked = np.arange(8 * 3).reshape(8, 3)
-        staged = executor.to_pipeline_layout(stacked, sched)
+        staged = layout.to_pipeline_layout(stacked, sched)
         assert staged.shape == (4, v, 8 // (4 * v), 3)
         r, c = sched.rank_of_stage(1)
         np.testing.assert_array_equal(staged[r, c, 0], stacked[8 // (4 * v)])
-        np.testing.assert_array_equal(executor.from_pipeline_layout(staged, sched), stacked)
+        np.testing.assert_array_equal(layout.from_pipeline_layout(staged, sched), stacked)
 
 
 def test_bf16_model_accumulates_float32_grads():
@@ -317,11 +317,11 @@ def _step_flops(sched, mesh, layered):
     params, inputs = make_model()
 
     def run(params, inputs):
-        staged = {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+        staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                   "last": params["last"]}
         return executor.pipeline_value_and_grad(sched, first_fn=first_fn, last_fn=last_fn, params=staged,
                                                 inputs=inputs, mesh=mesh, **fn)
-    return work.step_flops(jax.make_jaxpr(run)(params, inputs), executor.compile_schedule(sched))
+    return work.step_flops(jax.make_jaxpr(run)(params, inputs), program.compile_schedule(sched))
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -343,10 +343,10 @@ def test_split_backward_does_the_work_of_the_fused_one(p):
 def test_messages_moved_are_the_ones_the_schedule_uses(name, v, p):
     """The executor's permutes move exactly the messages the schedule consumes on another rank: each
     (sender, receiver) pair of a tick's pattern has a receiver that files the message in its inbox."""
-    prog = executor.compile_schedule(make_schedule(name, p, 8, v))
+    prog = program.compile_schedule(make_schedule(name, p, 8, v))
     moved = work.messages_moved(prog)
     assert moved["sent"] == moved["needed"] < moved["every_tick"], moved
-    for direction, field, shift in (("up", program._FROM_UP, -1), ("down", program._FROM_DOWN, 1)):
+    for direction, field, shift in (("up", program.Field.FROM_UP, -1), ("down", program.Field.FROM_DOWN, 1)):
         index, patterns = prog.send_patterns(direction)
         for t, i in enumerate(index.tolist()):
             receivers = set(np.flatnonzero(prog.code[t, :, field] >= 0).tolist())
@@ -365,9 +365,9 @@ def _interpret(prog, sched, forward_only, windows=1):
     microbatches in flight before the first step (negative numbers, never sent) are not checked."""
     p, last, m = sched.num_ranks, sched.num_stages - 1, sched.num_microbatches
     code = prog.code.copy()
-    code[..., program._BRANCH] = np.array(prog.branches)[code[..., program._BRANCH]]
-    kinds = {program._F: F, program._F_FIRST: F, program._F_LAST: F, program._B: B, program._B_FIRST: B,
-             program._W: W, program._BW: BW, program._BW_FIRST: BW}
+    code[..., program.Field.BRANCH] = np.array(prog.branches)[code[..., program.Field.BRANCH]]
+    kinds = {program.Op.F: F, program.Op.F_FIRST: F, program.Op.F_LAST: F, program.Op.B: B, program.Op.B_FIRST: B,
+             program.Op.W: W, program.Op.BW: BW, program.Op.BW_FIRST: BW}
     inbox = [{} for _ in range(p)]
     arrived, last_read, ran, carried = {}, {}, [], {"up": set(), "down": set()}
     for t in range(prog.num_ticks * windows):
@@ -375,7 +375,7 @@ def _interpret(prog, sched, forward_only, windows=1):
         out = [None] * p
         for r in range(p):
             br, mb, c, slot, src, local, _, _, version = (int(x) for x in code[t_in, r])
-            if br == program._IDLE:  # reads nothing; its microbatch / chunk / slot are valid indices (0)
+            if br == program.Op.IDLE:  # reads nothing; its microbatch / chunk / slot are valid indices (0)
                 assert (mb, c, slot, src, local, version) == (0, 0, 0, -1, -1, 0)
                 continue
             if prog.steady:  # field mb indexes [previous step's m, this step's m]; version 1: this step's
@@ -385,8 +385,8 @@ def _interpret(prog, sched, forward_only, windows=1):
                 assert version == 0
             stage = int(sched.stage_of[r, c])
             kind = kinds[br]  # W has no stage-0 variant: it runs no `first_fn` pullback
-            assert (br in (program._F_FIRST, program._B_FIRST, program._BW_FIRST)) == (stage == 0 and kind != W)
-            assert (br == program._F_LAST) == (stage == last and kind == F), (t, r)
+            assert (br in (program.Op.F_FIRST, program.Op.B_FIRST, program.Op.BW_FIRST)) == (stage == 0 and kind != W)
+            assert (br == program.Op.F_LAST) == (stage == last and kind == F), (t, r)
             ran.append((t, r, kind, mb, c, slot))
             need = ("x", mb, stage) if kind == F else ("g", mb, stage)
             if (kind != F or stage > 0) and mb >= 0:
@@ -401,9 +401,9 @@ def _interpret(prog, sched, forward_only, windows=1):
             elif kind != W and stage > 0:
                 out[r] = ("g", mb, stage - 1)
         for r in range(p):
-            writes = [(code[t_in, r, program._LOCAL], r, None)]
-            writes += [(code[t_in, r, program._FROM_UP], s, "up") for s, d in prog.up_perm if d == r]
-            writes += [(code[t_in, r, program._FROM_DOWN], s, "down") for s, d in prog.down_perm if d == r]
+            writes = [(code[t_in, r, program.Field.LOCAL], r, None)]
+            writes += [(code[t_in, r, program.Field.FROM_UP], s, "up") for s, d in prog.up_perm if d == r]
+            writes += [(code[t_in, r, program.Field.FROM_DOWN], s, "down") for s, d in prog.down_perm if d == r]
             for e, s, way in writes:
                 if e >= 0:
                     if way:
@@ -419,22 +419,22 @@ def _interpret(prog, sched, forward_only, windows=1):
                                         if n != "interleaved_1f1b" or m % p == 0])
 def test_compiled_program_delivers_every_message_to_the_entry_its_reader_reads(name, v, p, m, forward_only):
     sched = make_schedule(name, p, m, v)
-    prog = executor.compile_schedule(sched, forward_only=forward_only)
+    prog = program.compile_schedule(sched, forward_only=forward_only)
     table = sched.table
     if forward_only:
         table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
         table = table[(table[..., 0] != IDLE).any(axis=1)]
         assert (table[..., 0] != IDLE).any(axis=1).all() and prog.num_ticks == len(table)
-    assert prog.code.dtype == np.int32 and prog.code.shape == (len(table), p, program._NUM_FIELDS)
-    assert program._IDLE in prog.branches and list(prog.branches) == sorted(set(prog.branches))
+    assert prog.code.dtype == np.int32 and prog.code.shape == (len(table), p, program.NUM_FIELDS)
+    assert program.Op.IDLE in prog.branches and list(prog.branches) == sorted(set(prog.branches))
     assert prog.num_slots == sched.num_slots
     ran, msgs, carried = _interpret(prog, sched, forward_only)
     # every action of the table runs, at its tick and rank, on its microbatch, chunk and slot
     expected = [(int(t), int(r), *(int(x) for x in table[t, r])) for t, r in np.argwhere(table[..., 0] != IDLE)]
     assert sorted(ran) == sorted(expected)
     # the branches used are exactly those of the actions that run
-    used = set(np.array(prog.branches)[prog.code[..., program._BRANCH]].ravel().tolist())
-    assert set(prog.branches) == used | {program._IDLE}
+    used = set(np.array(prog.branches)[prog.code[..., program.Field.BRANCH]].ravel().tolist())
+    assert set(prog.branches) == used | {program.Op.IDLE}
     # every message is read after it arrives, and only pairs that carry a message are permuted
     assert all(u is not None and u > a for _, a, u in msgs.values())
     assert set(prog.up_perm) == carried["up"] and set(prog.down_perm) == carried["down"]
@@ -449,7 +449,7 @@ def test_compiled_program_delivers_every_message_to_the_entry_its_reader_reads(n
 def test_compile_schedule_refuses_a_one_stage_schedule():
     with pytest.raises(ValueError, match=r"^1f1b: the pipeline executor needs at least 2 stages, got 1; "
                                          r"use pipe >= 2 or call jax.value_and_grad directly$"):
-        executor.compile_schedule(make_schedule("1f1b", 1, 4))
+        program.compile_schedule(make_schedule("1f1b", 1, 4))
 
 
 def _edited(sched, **fields):
@@ -465,7 +465,7 @@ def test_compile_schedule_refuses_a_message_read_too_early_or_never_or_by_a_far_
     table[t - 1, 1], table[t, 1] = table[t, 1], [IDLE, -1, -1, -1]
     with pytest.raises(ValueError, match=rf"^gpipe: \('x', 0, 1\) is produced at tick {t - 1} but used at tick "
                                          rf"{t - 1}{re.escape(fix)}$"):
-        executor.compile_schedule(_edited(sched, table=table))
+        program.compile_schedule(_edited(sched, table=table))
     # rank 0's backward of microbatch 1 dropped: the cotangent rank 1 sends it is never read
     table = sched.table.copy()
     (t0,), = np.argwhere((table[:, 0, 0] == BW) & (table[:, 0, 1] == 1))
@@ -473,13 +473,13 @@ def test_compile_schedule_refuses_a_message_read_too_early_or_never_or_by_a_far_
     table[t0, 0] = [IDLE, -1, -1, -1]
     with pytest.raises(ValueError, match=rf"^gpipe: \('g', 1, 0\) is produced at tick {t1} but used at tick -1"
                                          rf"{re.escape(fix)}$"):
-        executor.compile_schedule(_edited(sched, table=table))
+        program.compile_schedule(_edited(sched, table=table))
     # stages 1 and 2 of a 4-rank 1f1b swapped between ranks 1 and 2: rank 0 feeds rank 2
     sched = make_schedule("1f1b", 4, 4)
     order = [0, 2, 1, 3]
     with pytest.raises(ValueError, match=r"^1f1b: stage 1 on rank 2 takes input from rank 0, which is not a "
                                          r"neighbour; place consecutive stages on neighbouring ranks$"):
-        executor.compile_schedule(_edited(sched, table=sched.table[:, order], stage_of=sched.stage_of[order]))
+        program.compile_schedule(_edited(sched, table=sched.table[:, order], stage_of=sched.stage_of[order]))
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8)])
@@ -488,7 +488,7 @@ def test_steady_program_run_step_after_step_delivers_every_message_and_runs_the_
     the schedule's windows back to back (`unroll`), each read finding its message, also a message sent in
     the step before; version 0 (the previous weights) exactly for the previous step's microbatches."""
     sched = make_schedule("2bw", p, m)
-    prog = executor.compile_schedule(sched)
+    prog = program.compile_schedule(sched)
     assert prog.steady and prog.num_versions == 2 and prog.num_ticks == 2 * m
     ran, msgs, carried = _interpret(prog, sched, False, windows=4)
     full = unroll(sched, 4)
@@ -498,16 +498,16 @@ def test_steady_program_run_step_after_step_delivers_every_message_and_runs_the_
     assert all(u is not None and u > a for (_, key), (_, a, u) in msgs.items() if 0 <= key[1] < 3 * m)
     assert set(prog.up_perm) == carried["up"] and set(prog.down_perm) == carried["down"]
     with pytest.raises(ValueError, match="2bw: a steady schedule has no forward-only program"):
-        executor.compile_schedule(sched, forward_only=True)
+        program.compile_schedule(sched, forward_only=True)
 
 
 def _steady_runner(sched, mesh, remat):
     def staged(params):
-        return {"first": params["first"], "stages": executor.to_pipeline_layout(params["layers"], sched),
+        return {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                 "last": params["last"]}
 
     def unstage(g):
-        return {"first": g["first"], "layers": executor.from_pipeline_layout(g["stages"], sched), "last": g["last"]}
+        return {"first": g["first"], "layers": layout.from_pipeline_layout(g["stages"], sched), "last": g["last"]}
 
     def step(previous, params, previous_inputs, inputs, inflight):
         both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), previous_inputs, inputs)

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import tiny_config
 from parallax import hlo
-from parallax.loss import LossPath
+from parallax.paths import PipelinePath
 from parallax.memory import memory_report
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
@@ -66,7 +66,8 @@ def test_fsdp_inside_stages_shrinks_weight_and_optimizer_bytes_linearly():
 ])
 def test_first_stage_gets_the_embedding_and_last_stage_the_head_only(model, first, last):
     plan = make_plan(tiny_config(model, pipe=2, data=4), 8)
-    assert LossPath(plan, None)._pipeline_parts() == (frozenset(first), frozenset(last))
+    path = PipelinePath(plan, None)
+    assert (path.first_keys, path.last_keys) == (frozenset(first), frozenset(last))
 
 
 @pytest.mark.parametrize("schedule,pipe", [("1f1b", 4), ("zbv", 2)])
@@ -84,7 +85,7 @@ def test_inputs_reach_only_the_rank_that_reads_them(schedule, pipe):
     config = _config(schedule, pipe=pipe, data=8 // pipe)
     config.pipeline.virtual_stages = 2 if schedule == "zbv" else 1
     trainer = Trainer(config, devices=jax.devices())
-    assert trainer.loss.routed_inputs() == {"inputs": "first", "targets": "last", "weights": "last"}
+    assert trainer.path.routed == {"inputs": "first", "targets": "last", "weights": "last"}
     batch = trainer.device_batch(make_dataset(config).batch(0))
     T, m, rows = config.train.seq_len, config.pipeline.microbatches, config.train.global_batch_size // (8 // pipe)
     for key, array in batch.items():
@@ -130,7 +131,7 @@ def test_which_inputs_are_routed_sees_through_the_chunked_loss(model):
         config.model.max_positions = 2048
     config.pipeline.update(schedule="1f1b", microbatches=4)
     plan = make_plan(config, 8)
-    routed = LossPath(plan, plan.make_mesh(jax.devices())).routed_inputs()
+    routed = PipelinePath(plan, plan.make_mesh(jax.devices())).routed
     want = {"inputs": "first", "targets": "last"} if model == "moe" else \
         {"inputs": "first", "targets": "last", "weights": "last"}
     assert routed == want

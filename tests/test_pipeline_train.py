@@ -88,7 +88,7 @@ def test_zero_bubble_schedules_do_the_matmul_work_of_1f1b_on_llama(mesh):
     """The trained model's step (the Llama blocks' split backward, with tensor / FSDP collectives, remat
     policy and Ulysses inside): zb_h1 and zbv count the same matmul FLOPs as 1F1B, within 5%."""
     from parallax.pipeline import work
-    from parallax.pipeline.executor import compile_schedule
+    from parallax.pipeline.program import compile_schedule
     flops = {}
     for schedule in ("1f1b", "zb_h1", "zbv"):
         config = _config(schedule, **mesh)

@@ -18,7 +18,7 @@ ring or all-gather attention each rank's tokens are the zigzag chunks i and 2s-1
 positions carry causality and the loss is a sum over tokens, so a permutation of the sequence changes
 nothing else. The batch then enters the region whole along T (one small all-gather of the int/weight arrays
 per step) and each rank cuts its own two chunks; the pipeline lays the batch out before its region instead
-(`parallax.loss`).
+(`parallax.paths.pipeline`).
 
 Why every axis is manual, data and fsdp too: with a partially manual shard_map (data / fsdp automatic),
 XLA's partitioner all-gathers the batch over `data` around every manual collective, so each data rank

@@ -2,39 +2,63 @@
 
 `compile_schedule` turns a `Schedule` table into a `Program`: for each tick and rank, which switch branch
 to run, on which microbatch / local chunk / activation slot, which inbox entry holds its input, and into
-which inbox entries the messages that arrive this tick go. `parallax.pipeline.executor` runs it; the
-branch and field numbers below are the vocabulary the two modules share.
+which inbox entries the messages that arrive this tick go. `parallax.pipeline.executor` runs it; `Op`
+(the instruction set) and `Field` (an instruction's fields) are the vocabulary the two modules share.
 """
 import dataclasses
+import enum
 
 import numpy as np
 
 from parallax.pipeline.schedule import B, BW, F, IDLE, W, Schedule, circular_colouring, unroll
 
-# Branches of the per-tick switch. `_FIRST` variants hold stage 0 (they also run `first_fn` or its
-# pullback); `_F_LAST` holds the last stage (it also runs `last_fn` and its pullback, which seeds the
-# backward).
-_IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _W, _BW, _BW_FIRST = range(9)
 
-# Fields of one lowered instruction. Inbox indices are -1 where nothing is read or written. `_VERSION` is
-# which weights the action uses: 0 for every schedule but a steady one (2bw), where it is 0 for the
-# previous step's microbatches (the previous weights) and 1 for the current step's.
-_BRANCH, _MB, _CHUNK, _SLOT, _IN, _LOCAL, _FROM_UP, _FROM_DOWN, _VERSION = range(9)
-_NUM_FIELDS = 9
+class Op(enum.IntEnum):
+    """The executor's instruction set: the branches of its per-tick switch. `*_FIRST` variants hold stage 0
+    (they also run `first_fn` or its pullback); `F_LAST` holds the last stage (it also runs `last_fn` and
+    its pullback, which seeds the backward)."""
+    IDLE = 0
+    F = 1
+    F_FIRST = 2
+    F_LAST = 3
+    B = 4
+    B_FIRST = 5
+    W = 6
+    BW = 7
+    BW_FIRST = 8
+
+
+class Field(enum.IntEnum):
+    """Fields of one lowered instruction. Inbox indices (`IN`, `LOCAL`, `FROM_UP`, `FROM_DOWN`) are -1 where
+    nothing is read or written. `VERSION` is which weights the action uses: 0 for every schedule but a
+    steady one (2bw), where it is 0 for the previous step's microbatches (the previous weights) and 1 for the
+    current step's."""
+    BRANCH = 0
+    MB = 1
+    CHUNK = 2
+    SLOT = 3
+    IN = 4
+    LOCAL = 5
+    FROM_UP = 6
+    FROM_DOWN = 7
+    VERSION = 8
+
+
+NUM_FIELDS = len(Field)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
     """A schedule lowered for the executor.
 
-    code: int32 [ticks, p, 9] instructions (fields `_BRANCH` .. `_VERSION`); `code[..., _BRANCH]`
-      indexes `branches`, the switch branches this schedule uses.
+    code: int32 [ticks, p, NUM_FIELDS] instructions (`Field`); `code[..., Field.BRANCH]` indexes `branches`,
+      the switch branches this schedule uses.
     inbox_size: entries of the per-rank inbox that buffers activations and output cotangents from their
       arrival until their last use (bounded by the schedule, not by the number of microbatches for
       1F1B-like schedules).
     num_slots: per-rank activation slots (residuals, or chunk inputs with remat).
     up_perm / down_perm: `ppermute` pairs for messages to rank r+1 / r-1 (mod p); empty if unused.
-    steady: the program of a steady schedule (2bw): `code[..., _MB]` indexes 2m microbatches (the
+    steady: the program of a steady schedule (2bw): `code[..., Field.MB]` indexes 2m microbatches (the
       previous step's, then the current step's), and the slots and the inbox are carried from one step's
       program to the next (a message or an activation may outlive the window).
     """
@@ -61,7 +85,7 @@ class Program:
         and the tick's entry is 0 when nothing moves that way, else 1 + the index of its pattern. The
         executor runs one `ppermute` per pattern, each only on its ticks, so every message it moves is one
         the schedule uses."""
-        field, shift = (_FROM_UP, -1) if direction == "up" else (_FROM_DOWN, 1)
+        field, shift = (Field.FROM_UP, -1) if direction == "up" else (Field.FROM_DOWN, 1)
         p = self.code.shape[1]
         index, patterns = np.zeros(self.num_ticks, np.int32), {}
         for t in range(self.num_ticks):
@@ -92,8 +116,8 @@ def compile_schedule(schedule: Schedule, forward_only: bool = False) -> Program:
     msgs = _messages(s, table, forward_only)
     entry, inbox_size = _inbox_entries(msgs, s.num_ranks)
     code, up, down = _instructions(s, table, msgs, entry, forward_only)
-    branches = tuple(sorted(set(code[..., _BRANCH].ravel().tolist()) | {_IDLE}))
-    code[..., _BRANCH] = np.searchsorted(np.array(branches), code[..., _BRANCH])
+    branches = tuple(sorted(set(code[..., Field.BRANCH].ravel().tolist()) | {Op.IDLE}))
+    code[..., Field.BRANCH] = np.searchsorted(np.array(branches), code[..., Field.BRANCH])
     return Program(code, branches, inbox_size, s.num_slots, tuple(sorted(up)), tuple(sorted(down)))
 
 
@@ -156,9 +180,9 @@ def _compile_steady(s: Schedule) -> Program:
     middle[:n] = middle[2 * n:] = (IDLE, -1, -1, -1)
     code, up, down = _instructions(full, middle, msgs, Periodic(entry), False)
     code = code[n:2 * n]
-    code[..., _VERSION] = np.where(code[..., _BRANCH] != _IDLE, code[..., _MB] >= m, 0)
-    branches = tuple(sorted(set(code[..., _BRANCH].ravel().tolist()) | {_IDLE}))
-    code[..., _BRANCH] = np.searchsorted(np.array(branches), code[..., _BRANCH])
+    code[..., Field.VERSION] = np.where(code[..., Field.BRANCH] != Op.IDLE, code[..., Field.MB] >= m, 0)
+    branches = tuple(sorted(set(code[..., Field.BRANCH].ravel().tolist()) | {Op.IDLE}))
+    code[..., Field.BRANCH] = np.searchsorted(np.array(branches), code[..., Field.BRANCH])
     return Program(code, branches, inbox_size, s.num_slots, tuple(sorted(up)), tuple(sorted(down)), steady=True)
 
 
@@ -181,35 +205,35 @@ def _inbox_entries(msgs, p):
 def _instructions(s: Schedule, table, msgs, entry, forward_only):
     """The int32 [ticks, p, fields] code (branch ids not yet compacted) and the ppermute pairs used."""
     p, num_stages = s.num_ranks, s.num_stages
-    code = np.full((table.shape[0], p, _NUM_FIELDS), -1, np.int32)
-    code[..., _BRANCH] = _IDLE
-    code[..., _MB:_SLOT + 1] = 0
-    code[..., _VERSION] = 0
+    code = np.full((table.shape[0], p, NUM_FIELDS), -1, np.int32)
+    code[..., Field.BRANCH] = Op.IDLE
+    code[..., Field.MB:Field.SLOT + 1] = 0
+    code[..., Field.VERSION] = 0
     up, down = set(), set()
     for t, r in np.argwhere(table[..., 0] != IDLE):
         kind, mb, c, slot = (int(x) for x in table[t, r])
         stage = int(s.stage_of[r, c])
         first, last = stage == 0, stage == num_stages - 1
         ins = code[t, r]
-        ins[_MB], ins[_CHUNK], ins[_SLOT] = mb, c, slot
+        ins[Field.MB], ins[Field.CHUNK], ins[Field.SLOT] = mb, c, slot
         if kind == F:
-            ins[_BRANCH] = _F_FIRST if first else _F_LAST if last else _F
+            ins[Field.BRANCH] = Op.F_FIRST if first else Op.F_LAST if last else Op.F
             if not first:
-                ins[_IN] = entry["x", mb, stage]
+                ins[Field.IN] = entry["x", mb, stage]
             out = (None if forward_only else ("g", mb, stage)) if last else ("x", mb, stage + 1)
         else:
-            ins[_BRANCH] = {B: (_B, _B_FIRST), W: (_W, _W), BW: (_BW, _BW_FIRST)}[kind][first]
-            ins[_IN] = entry["g", mb, stage]
+            ins[Field.BRANCH] = {B: (Op.B, Op.B_FIRST), W: (Op.W, Op.W), BW: (Op.BW, Op.BW_FIRST)}[kind][first]
+            ins[Field.IN] = entry["g", mb, stage]
             out = ("g", mb, stage - 1) if kind != W and not first else None
         if out is None:
             continue
         src, _, dst, _ = msgs[out]
         if dst == src:
-            ins[_LOCAL] = entry[out]
+            ins[Field.LOCAL] = entry[out]
         elif dst == (src + 1) % p:
-            code[t, dst, _FROM_UP] = entry[out]
+            code[t, dst, Field.FROM_UP] = entry[out]
             up.add((src, dst))
         else:
-            code[t, dst, _FROM_DOWN] = entry[out]
+            code[t, dst, Field.FROM_DOWN] = entry[out]
             down.add((src, dst))
     return code, up, down

@@ -10,11 +10,10 @@ B + W must cost one fused BW.
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent in jax 0.10
 
-from parallax.pipeline.program import (_B, _B_FIRST, _BRANCH, _BW, _BW_FIRST, _F, _F_FIRST, _F_LAST, _FROM_DOWN,
-                                       _FROM_UP, _IDLE, _VERSION, _W)
+from parallax.pipeline.program import Field, Op
 
-BRANCH_NAMES = {_IDLE: "idle", _F: "F", _F_FIRST: "F_first", _F_LAST: "F_last", _B: "B", _B_FIRST: "B_first",
-                _W: "W", _BW: "BW", _BW_FIRST: "BW_first"}
+BRANCH_NAMES = {Op.IDLE: "idle", Op.F: "F", Op.F_FIRST: "F_first", Op.F_LAST: "F_last", Op.B: "B",
+                Op.B_FIRST: "B_first", Op.W: "W", Op.BW: "BW", Op.BW_FIRST: "BW_first"}
 
 
 def dot_flops(jaxpr) -> int:
@@ -83,7 +82,7 @@ def step_flops(closed_jaxpr, prog) -> dict:
     traced step running `prog` (`compile_schedule(schedule)`)."""
     per_branch = branch_flops(closed_jaxpr)  # a steady program's switch: its branches once per weight version
     n = len(prog.branches)
-    index = prog.code[..., _BRANCH] + n * prog.code[..., _VERSION]
+    index = prog.code[..., Field.BRANCH] + n * prog.code[..., Field.VERSION]
     counts = np.bincount(index.ravel(), minlength=n * prog.num_versions)
     names = {BRANCH_NAMES[b]: f for b, f in zip(prog.branches, per_branch)}
     return {**names, "total": int(sum(int(c) * f for c, f in zip(counts, per_branch)))}
@@ -99,6 +98,6 @@ def messages_moved(prog) -> dict:
     for direction in ("up", "down"):
         index, patterns = prog.send_patterns(direction)
         sent += sum(len(patterns[i - 1]) for i in index.tolist() if i)
-    up, down = prog.code[..., _FROM_UP], prog.code[..., _FROM_DOWN]  # the receiver's inbox entry, or -1
+    up, down = prog.code[..., Field.FROM_UP], prog.code[..., Field.FROM_DOWN]  # the receiver's inbox entry, or -1
     return {"every_tick": prog.num_ticks * (len(prog.up_perm) + len(prog.down_perm)), "sent": sent,
             "needed": int((up >= 0).sum() + (down >= 0).sum())}

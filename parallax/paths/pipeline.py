@@ -1,0 +1,243 @@
+"""The pipelined step path (`mesh.pipe > 1`): the model's parts handed to the schedule executor.
+
+The first stage gets the parameters outside `blocks` that `embed` reads, the last stage those that `loss`
+reads (found by tracing each once: a tied embedding is in both); the stacked blocks go to the executor in
+its `[p, v, L/(p*v), ...]` layout. Layers with aux values add their aux loss to the loss in each chunk's
+forward, and their stats come back per stage. Eval runs the executor's F ticks only (`pipeline_loss`), so
+it works on every mesh training works on. What the model's parts read is decided once, here, by abstract
+traces of the single-device code (`_Tracing`); a model must read the same batch keys and parameters in
+every layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from parallax import model as model_lib
+from parallax import sharding
+from parallax.compat import dce_jaxpr
+from parallax.parallel import sequence
+from parallax.parallel.manual import DENSE, MODEL_AXES
+from parallax.paths.base import StepPath
+from parallax.pipeline import executor
+from parallax.pipeline.layout import from_pipeline_layout, to_pipeline_layout
+from parallax.plan import abstract_batch
+
+
+class PipelinePath(StepPath):
+    """A flushing pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv) over `pipe`.
+
+    With tensor / sequence parallelism every stage runs per rank as in `shard_loss`: weights split over
+    `tensor`, microbatch arrays [rows, T/s] (Ulysses, or all-gather attention: its zigzag layout is made
+    here, on the global batch before the region; the plan rejects ring), residual stream [rows, T/(s*t), D]
+    -- also between pipeline ranks. Stage weights stay sharded over FSDP inside the region (ZeRO-3 within a
+    stage) when the model reads them through `par.weight`: it all-gathers one layer at a time in the forward
+    and again in the backward, and its transpose reduce-scatters the layer's gradient into an accumulator
+    that stays 1/fsdp the size. The first / last stage parts (embedding, head) enter whole over FSDP (the
+    compiler gathers them once per step, outside the loop).
+    """
+
+    @classmethod
+    def runs(cls, plan) -> bool:
+        return plan.schedule is not None and not plan.schedule.steady
+
+    def __init__(self, plan, mesh):
+        super().__init__(plan, mesh)
+        self.schedule = plan.schedule  # what `sum` and `sum_and_grads` run: a flushing schedule
+        t = self.tracing = _Tracing.make(plan)
+        # The non-block parameter leaves (flat paths) `embed` reads, and those `loss` reads.
+        self.first_keys = _leaves_read(lambda p: t.model(p).embed(t.mb, DENSE), t.rest)
+        self.last_keys = _leaves_read(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest)
+        # Whether the blocks' layers return aux values (traced once, abstractly, on one layer).
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), t.blocks)
+        self.stage_aux = bool(jax.eval_shape(
+            lambda c, x: model_lib.apply_blocks_aux(t.graphdef, c, x, t.mb)[1], one, t.x))
+        self.routed = self._find_routed() if (
+            not plan.parallelism.zigzag
+            and plan.config.train.seq_len % (plan.sizes["seq"] * plan.sizes["pipe"]) == 0) else {}
+        self.outer_par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
+        self.stage_par = self._stage_parallelism()
+        rest_specs = self.outer_par.param_specs({k: v for k, v in plan.logical.items() if k != "blocks"})
+        # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
+        self.param_specs = {
+            "first": _subtree(rest_specs, self.first_keys),
+            "stages": jax.tree.map(lambda s: P(None, *s[1:]), self.stage_par.param_specs(plan.logical["blocks"])),
+            "last": _subtree(rest_specs, self.last_keys)}
+        self.input_spec = P("seq") if self.outer_par.seq > 1 else P()
+
+    # --- the batch ------------------------------------------------------------------------------------
+
+    def batch_spec(self, key: str) -> P:
+        """Rows over the batch axes, and a routed input's T over `seq` (when the stages split it) and `pipe`
+        (see `_find_routed`)."""
+        rows = super().batch_spec(key)
+        if key not in self.routed:
+            return rows
+        seq = ("seq",) if self.plan.sizes["seq"] > 1 else ()
+        return P(tuple(rows)[0] if len(rows) else None, (*seq, "pipe"))
+
+    def _find_routed(self) -> dict:
+        """{batch key: 'first' | 'last'} for the inputs that only the first stage (the embedding) or only the
+        last (the head and loss) reads, e.g. tokens and targets / weights: they are stored split over `pipe`
+        as well and gathered on the one rank that reads them (`Layout.gather`), instead of every pipeline
+        rank receiving them. Keys the layers read (segment ids, positions) go to every rank. None when
+        seq_len is not divisible by seq x pipe, or with a zigzag sequence layout (all-gather attention
+        reorders the tokens first). Decided by what each part's value depends on."""
+        t = self.tracing
+
+        def keys(fn, params):  # the batch keys fn(params, mb)'s value depends on
+            read = _leaves_live(lambda a: fn(a["p"], a["mb"]), {"p": params, "mb": t.mb})
+            return {k for k in t.mb if f"['mb']['{k}']" in read}
+        first = keys(lambda p, b: t.model(p).embed(b, DENSE), t.rest)
+        last = keys(lambda p, b: t.model(p).loss(t.x0(), b, DENSE), t.rest)
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t.blocks)  # one layer
+        layers = keys(lambda p, b: model_lib.apply_layer_aux(t.graphdef, p, t.x0(), b, self.plan.remat, DENSE),
+                      one)  # its aux values count too
+        return {**{k: "first" for k in first - last - layers}, **{k: "last" for k in last - first - layers}}
+
+    def _stage_parallelism(self):
+        """What the stages run with: FSDP shards gathered per layer inside the stage (`par.weight`) when the
+        model reads its weights through `par.weight` (it declares `parallel_axes`) and every axis its block
+        weights are sharded over, besides seq / tensor, is a batch axis; else the weights enter whole over
+        those axes (the compiler gathers them once per step, before the region)."""
+        plan = self.plan
+        specs = jax.tree.leaves(plan.parallelism.param_specs(plan.logical["blocks"]))
+        gathered = {a for s in specs for e in s[1:] for a in sharding.spec_axes(e)} - set(MODEL_AXES)
+        if plan.model_class.parallel_axes and gathered <= set(plan.batch_axes):
+            return plan.parallelism
+        return self.outer_par
+
+    # --- the executor's arguments ---------------------------------------------------------------------
+
+    def functions(self) -> dict:
+        """The executor's `first_fn`, `layer_fn` and `last_fn` for the model."""
+        plan, t, par, stage_par, stage_aux = self.plan, self.tracing, self.outer_par, self.stage_par, self.stage_aux
+        unread = t.rest
+
+        def model(rest_params):  # the embedding / head parts of the model; its blocks are never called
+            # A stage gets only the leaves it reads; the others are placeholders.
+            rest_params = jax.tree.map(lambda a, x: a if x is None else x, unread, rest_params)
+            return nnx.merge(plan.graphdef, {**rest_params, "blocks": t.blocks})
+
+        def first_fn(rest_params, mb):
+            return model(rest_params).embed(mb, par)
+
+        def layer_fn(layer, x, mb):  # the executor runs a stage's layers, one vjp per layer (split backward)
+            x, aux = model_lib.apply_layer_aux(t.graphdef, layer, x, mb, plan.remat, stage_par)
+            if not stage_aux:
+                return x
+            # This rank's sums over its tokens; the executor sums them over the batch axes. Tensor ranks
+            # computed the same values from the same tokens: averaged, as `Parallelism.sum_aux` does.
+            if stage_par.tensor > 1:
+                aux = jax.tree.map(lambda a: jax.lax.pmean(a, "tensor"), aux)
+            return x, (model_lib.aux_loss(aux), aux)
+
+        def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
+            return model(rest_params).loss(x, mb, par)
+        return {"first_fn": first_fn, "layer_fn": layer_fn, "last_fn": last_fn}
+
+    def executor_args(self, params, batch, schedule) -> dict:
+        """The keyword arguments of the executor's entry points for `params` and `batch` under `schedule`."""
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        laid_out = batch
+        if self.outer_par.zigzag:  # each seq rank's contiguous shard is then its zigzag chunks (i, 2s-1-i)
+            laid_out = jax.tree.map(lambda a: sequence.ring_layout(a, self.outer_par.seq, axis=1), batch)
+        return dict(
+            **self.functions(),
+            params={"first": _subtree(rest, self.first_keys), "stages": to_pipeline_layout(params["blocks"], schedule),
+                    "last": _subtree(rest, self.last_keys)},
+            inputs=self.split_microbatches(laid_out, schedule.num_microbatches), mesh=self.mesh,
+            batch_axes=self.plan.batch_axes, param_specs=self.param_specs, input_spec=self.input_spec,
+            routed_inputs=self.routed)
+
+    def unstage(self, params, grads, schedule):
+        """Executor gradients `{first, stages, last}` -> the layout of `params`."""
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        return {**_combine(rest, grads["first"], grads["last"]),
+                "blocks": from_pipeline_layout(grads["stages"], schedule)}
+
+    # --- the loss -------------------------------------------------------------------------------------
+
+    def sum(self, params, batch):
+        return executor.pipeline_loss(self.schedule, stage_aux=self.stage_aux,
+                                      **self.executor_args(params, batch, self.schedule))
+
+    def sum_and_grads(self, params, batch):
+        """Pipelined gradients are fp32."""
+        schedule = self.schedule
+        out = executor.pipeline_value_and_grad(schedule, remat=bool(self.plan.config.pipeline.remat),
+                                               stage_aux=self.stage_aux,
+                                               **self.executor_args(params, batch, schedule))
+        aux = from_pipeline_layout(out[2], schedule) if self.stage_aux else {}
+        return out[0], self.unstage(params, out[1], schedule), aux
+
+
+class _Tracing(NamedTuple):
+    """A zero-row microbatch, the non-block parameters, the stacked blocks (all abstract), the blocks'
+    graphdef, `model(rest)`: the model on those, and `x`: the residual stream's shape after `embed`."""
+    mb: dict
+    rest: dict
+    blocks: dict
+    graphdef: object
+    model: Callable
+    x: jax.ShapeDtypeStruct
+
+    @classmethod
+    def make(cls, plan) -> "_Tracing":
+        rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
+        blocks = plan.abstract_params["blocks"]
+        graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
+        # A one-row batch of zeros shaped like the training batch (to trace what a stage reads).
+        mb = jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), abstract_batch(plan.config))
+
+        def model(p):
+            return nnx.merge(plan.graphdef, {**p, "blocks": blocks})
+        x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
+        return cls(mb, rest, blocks, graphdef, model, x)
+
+    def x0(self):
+        return jnp.zeros(self.x.shape, self.x.dtype)
+
+
+def _paths(tree) -> list:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _leaves_read(fn, tree) -> frozenset:
+    """Paths of the leaves of `tree` that `fn(tree)` reads: the inputs of its jaxpr that any equation or
+    output uses (traced with the dense code; a model reads the same parameters under every layout)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
+    used = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars} | {id(v) for v in closed.jaxpr.outvars}
+    return frozenset(path for path, var in zip(_paths(tree), closed.jaxpr.invars) if id(var) in used)
+
+
+def _leaves_live(fn, tree) -> frozenset:
+    """Paths of the leaves of `tree` that `fn(tree)`'s value depends on: `_leaves_read` after dead-code
+    elimination, so that an input only reshaped or padded along the way (the chunked loss splits every
+    batch key into chunks, and reads only some) does not count."""
+    leaves, treedef = jax.tree.flatten(tree)
+    closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
+    _, live = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return frozenset(path for path, used in zip(_paths(tree), live) if used)
+
+
+def _subtree(tree, keep: frozenset):
+    """`tree` with the leaves at paths outside `keep` replaced by None (no leaf: the executor holds nothing
+    for them; `functions().model` fills abstract placeholders where the stage function merges the model)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [x if path in keep else None for path, x in zip(_paths(tree), leaves)])
+
+
+def _combine(rest, first, last):
+    """Gradient of the non-block parameters: first + last where both read a leaf, zeros where neither."""
+    def one(p, f, l):
+        if f is None and l is None:
+            return jnp.zeros(p.shape, jnp.float32)
+        return f if l is None else l if f is None else f + l
+    return jax.tree.map(one, rest, first, last, is_leaf=lambda x: x is None)
