@@ -17,9 +17,12 @@ train: $(STAMP)
 	$(PY) launch/train.py --config=configs/quickstart.py --workdir=$(WORKDIR)
 	$(PY) launch/sample.py --workdir=$(WORKDIR)
 
-# The suite runs in TEST_JOBS processes (pytest-xdist; 0 = in this process), then the `serial` tests alone.
+# First the docs site (mkdocs.yml; strict: a broken link or anchor, or a page missing from the nav, fails it;
+# not --quiet, which would hide the warnings that strict counts), then the suite in TEST_JOBS processes
+# (pytest-xdist; 0 = in this process), then the `serial` tests alone.
 TEST_JOBS ?= 2
 test: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir $(VENV)/site
 	$(PY) -m pytest -q --durations=40 -n $(TEST_JOBS) --dist worksteal -m "not serial" tests
 	$(PY) -m pytest -q --durations=10 -m serial tests
 

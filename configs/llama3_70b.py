@@ -8,7 +8,7 @@ gradients while they are reduced; over 64 devices that is 16.4 GiB each, leaving
 Tensor parallelism (8, within a node's NVLink) splits each layer's activations and weights 8 ways; FSDP (8)
 shards the rest. Each of the 64 accumulated microbatches is one 8192-token sequence per FSDP rank, with
 full remat, blockwise attention and a chunked, vocabulary-parallel cross-entropy. Measured figures:
-`python launch/plan.py --config=configs/llama3_70b.py` and the README's Memory section.
+`python launch/plan.py --config=configs/llama3_70b.py` and docs/memory.md.
 """
 
 from parallax.defaults import default_config

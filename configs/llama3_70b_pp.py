@@ -9,7 +9,7 @@ share the optimizer state. ZB-H1 splits each backward into its input-gradient an
 and fills the 1F1B bubble with the latter: bubble (p-1)/(3m+p-1) = 1.5% at m=64 microbatches. Each
 microbatch is one 8192-token sequence per FSDP rank; stage activations are rematerialised
 (`pipeline.remat`), attention is blockwise and the cross-entropy chunked and vocabulary-parallel.
-Measured figures: `python launch/plan.py --config=configs/llama3_70b_pp.py` and the README's Memory section.
+Measured figures: `python launch/plan.py --config=configs/llama3_70b_pp.py` and docs/memory.md.
 """
 
 from parallax.defaults import default_config

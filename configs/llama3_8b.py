@@ -7,7 +7,7 @@ Memory per device (`python launch/plan.py --config=configs/llama3_8b.py`): param
 8.0e9 x 12 bytes / 8 = 11.2 GiB, fp32 gradients 3.7 GiB; each of the 32 accumulated microbatches is one
 8192-token sequence per GPU, with full remat (one bf16 residual [8192, 4096] per layer kept), blockwise
 attention and a chunked cross-entropy, so no [T, T] scores and no whole-sequence fp32 logits are live.
-The README's Memory section has the measured figures.
+docs/memory.md has the measured figures.
 """
 
 from parallax.defaults import default_config

@@ -405,9 +405,9 @@ def test_parse_costs_reads_every_kind_and_rejects_bad_entries_by_name():
 
 
 def test_readme_bubble_table_is_what_bubble_table_prints():
-    # The README's table of bubbles (p = 4, m = 4, 8, 16) is the default `bubble_table`, printed.
+    # The docs' table of bubbles (docs/pipeline.md; p = 4, m = 4, 8, 16) is the default `bubble_table`, printed.
     table = format_bubble_table(bubble_table()).split("\n\n")[0]
-    assert table in (REPO / "README.md").read_text()
+    assert table in (REPO / "docs" / "pipeline.md").read_text()
 
 
 def test_bubble_table_rows_are_the_simulated_figures():

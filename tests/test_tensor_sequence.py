@@ -3,7 +3,7 @@
 Parity: fp32 loss and every gradient leaf within 1e-5 (relative) of the 1-device model, and 5 training
 steps with the same losses, on packed synthetic documents, for each mesh of issue 4. HLO: the layer scan
 compiles to one forward and one backward while loop; each holds exactly the collectives the design says
-(README "Tensor and sequence parallelism"), and no collective carries full-vocabulary logits.
+(docs/parallelism.md, "Tensor and sequence parallelism"), and no collective carries full-vocabulary logits.
 """
 import math
 
@@ -57,7 +57,7 @@ def test_loss_grads_and_steps_match_single_device(references, mesh):
     assert_parity(loss_grads_and_steps(_config(**mesh), jax.devices()), references(kv_heads), TOL)
 
 
-# Per layer and step, in the forward and in the backward loop body (the design's table in the README).
+# Per layer and step, in the forward and in the backward loop body (the table in docs/parallelism.md).
 def _tp(t):
     return {"all-gather": 2, "reduce-scatter": 2} if t > 1 else {}
 

@@ -1,4 +1,4 @@
-"""A user's own model, outside `models/`: the README's "Bring your own model" example, verbatim (a test
+"""A user's own model, outside `models/`: the "Bring your own model" example of docs/custom-models.md, verbatim (a test
 checks that it stays so). It uses no parallel surface (no `parallel_axes`), so parallax runs it dense, data
 / FSDP parallel and pipelined. Named in tests/user_model_config.py by its import path,
 `user_model:ResidualMLP` (tests/ on PYTHONPATH)."""
