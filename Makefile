@@ -29,7 +29,7 @@ test: $(STAMP)
 # Mutation testing (mutmut; not part of CI): the files and tests named in pyproject.toml [tool.mutmut];
 # MUTANTS picks the functions in scope (globs over mutmut's mutant names, `mutmut results --all true`
 # lists them). mutation-report.txt: per-module counts, then every mutant not killed.
-MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.simulate.*' 'parallax.pipeline.program.*' \
+MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.validate.*' 'parallax.pipeline.simulate.*' 'parallax.pipeline.program.*' \
 	'parallax.data.x__concat__*' 'parallax.data.x__num_windows__*' 'parallax.data.x__pack__*' \
 	'parallax.data.x*Dataset*_offset__*' 'parallax.data.x*Dataset*batch__*' 'parallax.data.x*Dataset*epoch__*' \
 	'parallax.checkpoint.*' 'parallax.parallel.vocab.*' \

@@ -23,7 +23,8 @@ from parallax import optim as optim_lib
 from parallax import sharding
 from parallax.config import ConfigError
 from parallax.parallel.manual import Parallelism
-from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule, validate
+from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule
+from parallax.pipeline.validate import validate
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("dense", "ulysses", "ring", "allgather")

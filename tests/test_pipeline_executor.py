@@ -458,7 +458,7 @@ def _edited(sched, **fields):
 
 def test_compile_schedule_refuses_a_message_read_too_early_or_never_or_by_a_far_rank():
     sched = make_schedule("gpipe", 2, 2)
-    fix = "; run parallax.pipeline.schedule.validate on the schedule and fix what it reports"
+    fix = "; run parallax.pipeline.validate.validate on the schedule and fix what it reports"
     # rank 1's forward of microbatch 0 moved to the tick its input is produced in
     table = sched.table.copy()
     (t,), = np.argwhere((table[:, 1, 0] == F) & (table[:, 1, 1] == 0))

@@ -10,7 +10,8 @@ import pytest
 
 from parallax.pipeline.render import render_png, render_summary, render_text
 from parallax.pipeline.schedule import (B, BW, F, IDLE, SCHEDULES, W, Schedule, ScheduleError,
-                                        circular_colouring, make_schedule, unroll, validate)
+                                        circular_colouring, make_schedule, unroll)
+from parallax.pipeline.validate import validate
 from parallax.pipeline.simulate import (bubble_table, format_bubble_table, live_slots, parse_costs, simulate,
                                         steady_bubbles)
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from parallax.pipeline.schedule import (B, BW, F, IDLE, SCHEDULES, W, ScheduleError, make_schedule, validate)
+from parallax.pipeline.schedule import B, BW, F, IDLE, SCHEDULES, W, ScheduleError, make_schedule
+from parallax.pipeline.validate import validate
 from parallax.pipeline.simulate import simulate
 
 P_, M_ = 4, 8

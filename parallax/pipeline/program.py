@@ -150,7 +150,7 @@ def _messages(s: Schedule, table, forward_only):
             use = max(use if use is not None else -1, w_at.get(key[1:], -1))
         if use is None or use <= t:
             raise ValueError(f"{s.name}: {key} is produced at tick {t} but used at tick {use}; run "
-                             f"parallax.pipeline.schedule.validate on the schedule and fix what it reports")
+                             f"parallax.pipeline.validate.validate on the schedule and fix what it reports")
         if src != dst and dst not in ((src + 1) % p, (src - 1) % p):
             raise ValueError(f"{s.name}: stage {key[2]} on rank {dst} takes input from rank {src}, which is "
                              f"not a neighbour; place consecutive stages on neighbouring ranks")
