@@ -146,3 +146,15 @@ def test_gpt2_trains_on_documents_longer_than_its_position_table(tmp_path):
     assert [r["step"] for r in result.history] == [1, 2]
     assert np.isfinite([r["loss"] for r in result.history]).all()
 
+
+def test_gpt2_position_outside_its_table_embeds_as_nan_not_a_clipped_row():
+    from flax import nnx
+
+    from models.gpt2 import GPT2
+
+    config = tiny_config("gpt2")
+    model = GPT2(config.model, nnx.Rngs(0))
+    P = config.model.max_positions
+    positions = np.array([[0, P - 1, P, -1]], np.int32)
+    x = np.asarray(model.embed({"inputs": np.zeros_like(positions), "positions": positions}))  # (1, 4, D)
+    assert np.isfinite(x[0, :2]).all() and np.isnan(x[0, 2:]).all()
