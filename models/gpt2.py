@@ -6,7 +6,9 @@ parallax model it stores its blocks stacked (leading `layers` dim) and runs the 
 under tensor / sequence parallelism it runs per rank and `par` adds the collectives (the residual stream
 is [B, T/(s*t), D], weights hold H/t heads, F/t hidden units and V/t vocabulary rows).
 
-Positions are per document (`batch['positions']`), so packed documents each start at position 0.
+Positions are per document (`batch['positions']`), so packed documents each start at position 0; they must
+lie in [0, max_positions) (`parallax.data` numbers each document's piece of a row from 0, so they stay below
+seq_len). An out-of-range position embeds as NaN rather than as a clipped row, so the bug stops training.
 
 There is no key bias: a bias added to every key adds the same q.b to all of a query's scores, which the
 softmax cancels, so it never changes the output and its gradient is identically zero. (GPT-2 checkpoints
@@ -189,7 +191,13 @@ class GPT2(Model):
     def embed(self, batch, par: Parallelism = DENSE):
         """Token + position embeddings: [B, T] -> [B, T, D] (this rank's [B, T/(s*t), D] under par)."""
         x = par.embed(self.wte, batch["inputs"], self.dtype)
-        pos = jnp.take(par.weight(self.wpe), batch["positions"], axis=0).astype(self.dtype)  # (B, T/s, D)
+        positions, table = batch["positions"], par.weight(self.wpe)  # (B, T/s), (P, D)
+        # A position outside [0, P) has no row, and embeds as NaN on purpose: the step's loss is non-finite
+        # and training stops there. Clipping would silently train the last row on every late token, and
+        # jnp.take alone would wrap a negative position. parallax.data never produces one (see its doc).
+        in_table = (positions >= 0) & (positions < table.shape[0])  # (B, T/s)
+        pos = jnp.where(in_table[..., None], jnp.take(table, positions, axis=0, mode="clip"), jnp.nan)
+        pos = pos.astype(self.dtype)  # (B, T/s, D)
         return constrain(x + par.split_seq(pos), ("batch", "length", "act_embed"))
 
     def logits(self, x, par: Parallelism = DENSE):

@@ -16,10 +16,24 @@ tokens starting at a pseudo-random offset drawn from ``np.random.default_rng([se
 
 * ``inputs`` / ``targets`` (int32): the window's tokens and the tokens one place later;
 * ``segment_ids`` (int32): 1, 2, ... for the documents inside the row, 0 for padding;
-* ``positions`` (int32): the token's position counted from its document's true start, so a row that begins
-  mid-document begins at that document's position there, not at 0; it restarts at 0 at each new document;
+* ``positions`` (int32): the token's position within its document's piece of the row: 0 at the row's first
+  token (also when the window begins mid-document) and at each new document, counting up by one within a
+  document. So every position is below ``seq_len``, which the models check against their position tables;
 * ``weights`` (float32): 1.0 where the target is the next token of the same document, else 0.0 (padding,
   and the last token of each document).
+
+Why positions count from the window, not from the document's true start: a row only ever shows the model
+its own ``seq_len`` tokens (attention never reaches the part of a document before the window), exactly as
+sampling's sliding window does (``parallax.sample`` numbers its window 0, 1, ...), and as the usual
+learned-position decoders train. Counting from the true start would instead hand a learned position table
+(of ``max_positions`` rows, at least ``seq_len``) positions up to the length of the longest document: past
+the table the lookup reads nothing (a NaN loss), and the rows from ``seq_len`` on would be trained only on
+windows that start mid-document, which sampling never produces. Clamping (every late token sharing the last
+row) or wrapping (a jump back to position 0 mid-document, which the table otherwise sees only at document
+starts) would both feed the table positions that mean something else at sampling time. Rotary models see
+the same scores up to fp32 rounding (less of it: smaller positions, smaller angles): shifting all of a
+document's positions by one offset leaves every q.k rotation angle difference unchanged, and the mask
+(same segment, kv position <= q position) is unchanged too.
 
 Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens, which only an eval split can
 be: a train stream that short is a ``DataError`` (the training launcher refuses a short eval split too).
@@ -298,13 +312,14 @@ def _epoch_order(seed: int, split: int, epoch: int, n_windows: int) -> np.ndarra
 
 def _pack(stream, seq_len, offsets):
     """Rows of seq_len tokens starting at each offset (padded past the stream's end); see module doc."""
-    idx = np.asarray(offsets, np.int64)[:, None] + np.arange(seq_len + 1)  # [R, L+1]
+    offsets = np.asarray(offsets, np.int64)[:, None]  # [R, 1]
+    idx = offsets + np.arange(seq_len + 1)  # [R, L+1]
     n = len(stream.tokens)
     valid = idx < n
     idx = np.minimum(idx, n - 1)
     tokens = np.asarray(stream.tokens[idx], np.int32)
     doc = np.searchsorted(stream.starts, idx, side="right") - 1  # [R, L+1] document of each token
-    positions = idx - stream.starts[doc]
+    positions = idx - np.maximum(stream.starts[doc], offsets)  # from the document's first token in the row
     real = valid[:, :-1]
     return {
         "inputs": np.where(real, tokens[:, :-1], 0).astype(np.int32),

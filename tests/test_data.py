@@ -49,6 +49,7 @@ def _check_packing(batch):
         assert np.all(np.diff(real.astype(int)) <= 0), "padding only at the end of a row"
         s = seg[r][real]
         assert s[0] == 1 and np.all(np.diff(s) >= 0) and np.all(np.diff(s) <= 1)
+        assert pos[r][0] == 0, "a row starts at position 0, also in the middle of a document"
         new_doc = np.flatnonzero(np.diff(s)) + 1
         assert np.all(pos[r][new_doc] == 0), "positions restart at each new document"
         same = np.flatnonzero(np.diff(s) == 0)
@@ -225,14 +226,17 @@ def test_token_file_sources_pack_documents_split_at_eos(tmp_path, name, dtype):
         assert inputs.max() < vocab
 
 
-def test_token_positions_count_from_the_true_document_start(tmp_path):
-    docs = [np.arange(1, 101)]  # one 100-token document then eos: position == token id - 1
-    path, _ = _write_tokens(tmp_path, "one.uint16.bin", docs, 0, np.uint16)
-    ds = data.make_dataset("tokens", path, seq_len=10, global_batch_size=4, seed=0, vocab_size=128,
+def test_token_positions_count_from_the_documents_first_token_in_the_row(tmp_path):
+    docs = [np.arange(1, 101), np.arange(1, 4)]  # a 100-token document (token id == true position + 1), then 3
+    path, _ = _write_tokens(tmp_path, "two.uint16.bin", docs, 0, np.uint16)
+    ds = data.make_dataset("tokens", path, seq_len=10, global_batch_size=16, seed=0, vocab_size=128,
                            eos_id=0, eval_fraction=0.0)
     batch = ds.batch(3)
-    real = batch["inputs"] != 0
-    np.testing.assert_array_equal(batch["positions"][real], batch["inputs"][real] - 1)
+    _check_packing(batch)
+    first = batch["segment_ids"] == 1
+    assert batch["inputs"][:, 0].max() > 10, "some row starts deep in the long document"
+    np.testing.assert_array_equal(batch["positions"][first], np.nonzero(first)[1])  # 0, 1, ... from the row start
+    assert batch["positions"].max() < ds.seq_len
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -133,3 +133,28 @@ def test_readme_example_is_the_tested_user_model():
     page = open(os.path.join(ROOT, "docs", "custom-models.md")).read()  # the docs' "Bring your own model"
     start = page.index("```python", page.index("# Bring your own model")) + len("```python\n")
     assert page[start:page.index("```", start)] in open(os.path.join(ROOT, "tests", "user_model.py")).read()
+
+
+def test_gpt2_trains_on_documents_longer_than_its_position_table(tmp_path):
+    """Issue 23: windows that start deep in a long document used to carry positions >= max_positions (counted
+    from the document's true start), which the learned table read as NaN: a non-finite loss at step 1."""
+    from parallax.train import train_and_evaluate
+
+    config = tiny_config("gpt2")  # max_positions=64, synthetic documents of up to 2 * seq_len tokens
+    config.train.update(seq_len=64, global_batch_size=4, steps=2, eval_every=0, checkpoint_every=0, log_every=1)
+    result = train_and_evaluate(config, str(tmp_path), devices=jax.devices()[:1], log=lambda *_: None)
+    assert [r["step"] for r in result.history] == [1, 2]
+    assert np.isfinite([r["loss"] for r in result.history]).all()
+
+
+def test_gpt2_position_outside_its_table_embeds_as_nan_not_a_clipped_row():
+    from flax import nnx
+
+    from models.gpt2 import GPT2
+
+    config = tiny_config("gpt2")
+    model = GPT2(config.model, nnx.Rngs(0))
+    P = config.model.max_positions
+    positions = np.array([[0, P - 1, P, -1]], np.int32)
+    x = np.asarray(model.embed({"inputs": np.zeros_like(positions), "positions": positions}))  # (1, 4, D)
+    assert np.isfinite(x[0, :2]).all() and np.isnan(x[0, 2:]).all()
