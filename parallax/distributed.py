@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 
 DETECT = ("auto", "jax", "off")
 

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import data as data_lib
 from parallax import optim, sharding
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.loss import LossPath
 from parallax.plan import Plan, abstract_batch, make_plan
 

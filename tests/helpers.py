@@ -5,7 +5,7 @@ import os
 import jax
 import numpy as np
 
-from parallax.config import load_config_file
+from parallax.defaults import load_config_file
 from parallax.train import make_dataset
 from parallax.trainer import Trainer
 

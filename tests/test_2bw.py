@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from parallax.config import ConfigError, load_config_file
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.sample import sample_from_workdir
 from parallax.train import check_resume, make_dataset, train_and_evaluate
 from parallax.trainer import Trainer

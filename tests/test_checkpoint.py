@@ -11,7 +11,7 @@ import time
 import pytest
 
 from helpers import ROOT, tiny_config
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.train import check_resume, train_and_evaluate
 
 
@@ -136,7 +136,7 @@ def _launch(workdir):
 
 @pytest.mark.parametrize("damage", ["no-config-json", "corrupt-checkpoint", "foreign-checkpoint", "bad-config-json"])
 def test_unusable_workdir_exits_2_with_one_line_and_is_left_as_it_was(tmp_path, damage):
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
     workdir = tmp_path / "run"
     step = workdir / "checkpoints" / "3"
     step.mkdir(parents=True)

@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from helpers import ROOT
-from parallax.config import ConfigError, apply_override, load_config_file
+from parallax.config import apply_override
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.trainer import shape_check
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))

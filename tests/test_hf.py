@@ -22,7 +22,7 @@ pytest.importorskip("safetensors", reason="parallax.hf needs safetensors")
 from flax import nnx  # noqa: E402
 
 from parallax import hf  # noqa: E402
-from parallax.config import ConfigError  # noqa: E402
+from parallax.errors import ConfigError  # noqa: E402
 from parallax.model import forward  # noqa: E402
 from parallax.trainer import Trainer  # noqa: E402
 from helpers import ROOT  # noqa: E402
@@ -236,7 +236,7 @@ def _cli(script, *args):
 
 @pytest.mark.slow
 def test_cli_import_then_train_resumes_from_the_imported_weights(checkpoints, tmp_path):
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
     from parallax.train import make_dataset
 
     hf_dir, _ = checkpoints["llama"]

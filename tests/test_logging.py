@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from helpers import ROOT, tiny_config
-from parallax.config import ConfigError, apply_override
+from parallax.config import apply_override
+from parallax.errors import ConfigError
 from parallax.plan import make_plan
 from parallax.summary import TensorBoardWriter, read_scalars
 from parallax.throughput import Throughput, peak_flops
@@ -173,7 +174,7 @@ def test_flops_per_token_counts_matmul_params_and_attention(model):
 
 def test_a_model_without_a_flops_hook_counts_6_per_non_lookup_parameter():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
     config = load_config_file(os.path.join(ROOT, "tests", "user_model_config.py"))
     plan = make_plan(config, 1)
     got = plan.model_class.flops_per_token(plan.model_config, 16, plan.abstract_params, plan.logical)

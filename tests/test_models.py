@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, assert_parity, loss_grads_and_steps, tiny_config
-from parallax.config import ConfigError, load_config_file
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.plan import make_plan
 
 TOL = 1e-5

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import ROOT, assert_parity, loss_grads_and_steps
 from parallax import hlo
-from parallax.config import ConfigError, load_config_file
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.parallel import expert as ep_lib
 from parallax.plan import make_plan
 from parallax.train import make_dataset

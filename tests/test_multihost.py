@@ -16,8 +16,8 @@ import pytest
 
 from helpers import ROOT, tiny_config
 from parallax import distributed
-from parallax.config import ConfigError
 from parallax.defaults import default_config
+from parallax.errors import ConfigError
 from parallax.train import train_and_evaluate
 
 # Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.

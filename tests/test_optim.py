@@ -17,7 +17,8 @@ from optax.contrib import MuonDimensionNumbers
 
 from helpers import ROOT, assert_parity, loss_grads_and_steps, rel_err, tiny_config
 from parallax import hlo, optim
-from parallax.config import ConfigError, load_config_file
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.plan import make_plan
 from parallax.sharding import is_logical_names
 from parallax.train import make_dataset, train_and_evaluate
