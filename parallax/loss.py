@@ -322,10 +322,10 @@ def _leaves_live(fn, tree) -> frozenset:
     """Paths of the leaves of `tree` that `fn(tree)`'s value depends on: `_leaves_read` after dead-code
     elimination, so that an input only reshaped or padded along the way (the chunked loss splits every
     batch key into chunks, and reads only some) does not count."""
-    from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent
+    from parallax.compat import dce_jaxpr
     leaves, treedef = jax.tree.flatten(tree)
     closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
-    _, live = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    _, live = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     return frozenset(path for path, used in zip(_paths(tree), live) if used)
 
 

@@ -8,8 +8,8 @@ This is what a split backward costs, measured instead of assumed: for zb_h1 / zb
 B + W must cost one fused BW.
 """
 import numpy as np
-from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent in jax 0.10
 
+from parallax.compat import dce_jaxpr
 from parallax.pipeline.program import (_B, _B_FIRST, _BRANCH, _BW, _BW_FIRST, _F, _F_FIRST, _F_LAST, _FROM_DOWN,
                                        _FROM_UP, _IDLE, _VERSION, _W)
 
@@ -73,7 +73,7 @@ def branch_flops(closed_jaxpr) -> list:
         raise ValueError("no pipeline tick switch in this jaxpr: trace a step that calls pipeline_value_and_grad")
     out = []
     for branch in switch.params["branches"]:
-        live, _ = pe.dce_jaxpr(branch.jaxpr, [True] * len(branch.jaxpr.outvars))
+        live, _ = dce_jaxpr(branch.jaxpr, [True] * len(branch.jaxpr.outvars))
         out.append(dot_flops(live))
     return out
 
