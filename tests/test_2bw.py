@@ -2,14 +2,13 @@
 run with `optim.grad_delay=1` (AdamW and Muon, pipe 2 and 4 with fsdp), resume is exact (the in-flight
 microbatches are in the checkpoint), it evaluates and runs in bf16, and its config errors name the fix."""
 
-import json
 import os
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import read_metrics, tiny_config
 from parallax.defaults import load_config_file
 from parallax.errors import ConfigError
 from parallax.sample import sample_from_workdir
@@ -110,8 +109,7 @@ def test_2bw_resume_is_exact_and_eval_runs_on_the_current_weights(tmp_path):
         return c
 
     def metrics(workdir):
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            return [(r["step"], r["loss"], r.get("eval_loss")) for r in map(json.loads, f)]
+        return [(r["step"], r["loss"], r.get("eval_loss")) for r in read_metrics(workdir)]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train_and_evaluate(config(6), straight, log=lambda *_: None)
     train_and_evaluate(config(3), resumed, log=lambda *_: None)
