@@ -156,7 +156,7 @@ def bench_muon():
     import jax
 
     from parallax import hlo, optim
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
     from parallax.trainer import Trainer, _opt_state_shardings
 
     print("\n| config | devices | Newton-Schulz | FLOPs per device | collectives | bytes moved per device |\n"

@@ -11,7 +11,8 @@ def cli_main(run, needs_config):
 
     `needs_config="optional"`: the command builds its config itself (e.g. from a checkpoint's), so `run`
     gets `(path_or_None, overrides)` in place of the config, and applies the overrides with the same rules."""
-    from parallax.config import ConfigError, split_overrides
+    from parallax.config import split_overrides
+    from parallax.errors import ConfigError
 
     try:
         argv, overrides = split_overrides(sys.argv)
@@ -44,7 +45,7 @@ def cli_main(run, needs_config):
         elif needs_config:
             if not flags.FLAGS.config:
                 _config_exit(ConfigError("--config is required, e.g. --config=configs/quickstart.py"))
-            from parallax.config import config_from_args
+            from parallax.defaults import config_from_args
             try:
                 config = config_from_args(flags.FLAGS.config, overrides)
             except ConfigError as e:

@@ -25,7 +25,7 @@ def define_flags():
 
 
 def run(_, FLAGS):
-    from parallax.config import ConfigError
+    from parallax.errors import ConfigError
     from parallax.hf import export_workdir
 
     if not FLAGS.out:

@@ -25,7 +25,7 @@ def define_flags():
 
 
 def run(config_args, FLAGS):
-    from parallax.config import ConfigError
+    from parallax.errors import ConfigError
     from parallax.hf import import_to_workdir
 
     if not FLAGS.hf_dir:

@@ -33,7 +33,7 @@ FLAGS = flags.FLAGS
 
 def _devices(config):
     """(devices, a description of them) for --topology or simulated CPU devices; raises ConfigError."""
-    from parallax.config import ConfigError
+    from parallax.errors import ConfigError
     from parallax.mesh import resolve_axis_sizes, simulate_cpu_devices
 
     if FLAGS.topology:
@@ -69,7 +69,8 @@ def main(argv, overrides):
     del argv
     from absl import logging
 
-    from parallax.config import ConfigError, config_from_args
+    from parallax.defaults import config_from_args
+    from parallax.errors import ConfigError
 
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.config:
@@ -99,7 +100,8 @@ def main(argv, overrides):
 
 
 if __name__ == "__main__":
-    from parallax.config import ConfigError, split_overrides
+    from parallax.config import split_overrides
+    from parallax.errors import ConfigError
 
     try:
         argv, overrides = split_overrides(sys.argv)

@@ -51,7 +51,7 @@ import ml_collections
 from flax import nnx
 
 from models import llama
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.model import DENSE, Model, Parallelism, apply_blocks, attention_flops_per_token, param_flops_per_token
 from parallax.parallel import expert as ep_lib
 

@@ -16,7 +16,7 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 
 
 @contextlib.contextmanager

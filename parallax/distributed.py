@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 
 DETECT = ("auto", "jax", "off")
 
@@ -106,10 +106,9 @@ class _Watchdog:
     instance = None
 
     def __init__(self, timeout, on_lost):
-        from jax._src import distributed as jax_distributed  # the runtime client: no public handle to it
+        from parallax.compat import distributed_runtime
 
-        state = jax_distributed.global_state
-        self.client, self.me, self.n = state.client, state.process_id, state.num_processes
+        self.client, self.me, self.n = distributed_runtime()
         self.timeout, self.on_lost = float(timeout), on_lost
 
     @classmethod

@@ -31,7 +31,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.model import ENTRY_POINT_GROUP, model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -345,8 +345,8 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
 def import_config(ckpt: Checkpoint, base_path: str | None, overrides) -> object:
     """The parallax config of a run starting from `ckpt`: `base_path`'s (or the defaults for the model),
     with the command line's overrides, and the model keys from the HF config.json."""
-    from parallax.config import apply_override, load_config_file
-    from parallax.defaults import default_config
+    from parallax.config import apply_override
+    from parallax.defaults import default_config, load_config_file
 
     config = load_config_file(base_path) if base_path else default_config(ckpt.name)
     if config.model.name != ckpt.name:
@@ -406,14 +406,13 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
-    from parallax.config import config_from_json
-    from parallax.defaults import with_defaults
+    from parallax.defaults import load_saved_config
     from parallax.trainer import Trainer
 
     path = epath.Path(workdir) / "config.json"
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; pass the workdir of a parallax run")
-    config = with_defaults(config_from_json(path.read_text()))
+    config = load_saved_config(path.read_text())
     _model_with_mapping(config.model)  # a model without a mapping fails before anything is restored
     devices = list(jax.devices() if devices is None else devices)
     try:

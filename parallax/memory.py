@@ -21,7 +21,7 @@ import re
 
 import jax
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
 

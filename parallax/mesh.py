@@ -13,7 +13,7 @@ import os
 import jax
 import numpy as np
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 
 AXES = ("data", "fsdp", "pipe", "expert", "seq", "tensor")
 

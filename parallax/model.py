@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.parallel.manual import DENSE, GATHERED, Parallelism
 from parallax.parallel.sequence import check_sequence_parallel
 from parallax.sharding import constrain, is_logical_names

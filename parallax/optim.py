@@ -37,7 +37,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.sharding import is_logical_names
 
 _STACKING = ("layers", "experts")

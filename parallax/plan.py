@@ -21,7 +21,7 @@ from parallax import mesh as mesh_lib
 from parallax import model as model_lib
 from parallax import optim as optim_lib
 from parallax import sharding
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.parallel.manual import Parallelism
 from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule
 from parallax.pipeline.validate import validate

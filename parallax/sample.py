@@ -45,14 +45,14 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
-    from parallax.config import ConfigError, config_from_json
-    from parallax.defaults import with_defaults
+    from parallax.defaults import load_saved_config
+    from parallax.errors import ConfigError
     from parallax.trainer import Trainer
 
     path = epath.Path(workdir) / "config.json"
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; train first (make train)")
-    config = with_defaults(config_from_json(path.read_text()))
+    config = load_saved_config(path.read_text())
     for axis in config.mesh:
         config.mesh[axis] = 1
     trainer = Trainer(config, devices=jax.devices()[:1])

@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.mesh import AXES
 
 DEFAULT_RULES: dict[str, object] = {

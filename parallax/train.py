@@ -22,8 +22,8 @@ from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
 from parallax import paths
-from parallax.config import ConfigError, config_from_json
-from parallax.defaults import with_defaults
+from parallax.defaults import load_saved_config
+from parallax.errors import ConfigError
 from parallax.summary import TensorBoardWriter
 from parallax.throughput import throughput
 from parallax.trainer import Trainer
@@ -97,7 +97,7 @@ def check_resume(config, saved_json: str) -> None:
     """
     saved = _flatten(json.loads(saved_json))
     if "model.name" in saved:  # keys added since the checkpoint was written compare as their defaults
-        saved = _flatten(json.loads(with_defaults(config_from_json(saved_json)).to_json_best_effort()))
+        saved = _flatten(json.loads(load_saved_config(saved_json).to_json_best_effort()))
     now = _flatten(json.loads(config.to_json_best_effort()))
     keys = [k for k in now if (k.startswith(tuple(p + "." for p in ("model", "data", "optim")))
                                or k in _MUST_MATCH_ON_RESUME) and k not in _MAY_CHANGE_ON_RESUME]

@@ -1,11 +1,15 @@
-"""Shared test utilities: the tiny configs, a 1-device reference, relative errors and the parity check."""
+"""Shared test utilities: the tiny configs, a 1-device reference, relative errors and the parity check;
+running a launcher and reading a run's metrics.jsonl."""
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 
-from parallax.config import load_config_file
+from parallax.defaults import load_config_file
 from parallax.train import make_dataset
 from parallax.trainer import Trainer
 
@@ -18,6 +22,30 @@ def tiny_config(model="llama", **mesh):
     for axis in config.mesh:
         config.mesh[axis] = mesh.get(axis, 1)
     return config
+
+
+def launcher_command(script, *flags, unbuffered=False) -> list[str]:
+    """The command line of `launch/<script>.py` run by this Python with `flags` (`unbuffered`: `python -u`,
+    for a test that reads the output line by line while the run goes on)."""
+    return [sys.executable, *(["-u"] if unbuffered else []), os.path.join(ROOT, "launch", f"{script}.py"), *flags]
+
+
+def run_launcher(script, *flags, env=None, timeout=None, check=False, cwd=ROOT,
+                 unbuffered=False) -> subprocess.CompletedProcess:
+    """Runs `launch/<script>.py` with `flags` to its end, from the checkout (`cwd`), and returns the finished
+    process with its stdout and stderr as text. `env`: the whole environment (default: this one)."""
+    return subprocess.run(launcher_command(script, *flags, unbuffered=unbuffered), cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=check)
+
+
+def read_metrics(workdir, skip_torn_line=False) -> list[dict]:
+    """The records of `workdir/metrics.jsonl`, one dict per line, as strict JSON (NaN or Infinity, which
+    Python's json writes and strict readers refuse, fail the test). `skip_torn_line`: leave out a last line
+    without its newline (what killing a run while it writes leaves) instead of failing on it."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in {workdir}/metrics.jsonl: not JSON")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f if not skip_torn_line or line.endswith("\n")]
 
 
 def rel_err(a, b) -> float:

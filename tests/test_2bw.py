@@ -2,15 +2,15 @@
 run with `optim.grad_delay=1` (AdamW and Muon, pipe 2 and 4 with fsdp), resume is exact (the in-flight
 microbatches are in the checkpoint), it evaluates and runs in bf16, and its config errors name the fix."""
 
-import json
 import os
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import tiny_config
-from parallax.config import ConfigError, load_config_file
+from helpers import read_metrics, tiny_config
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.sample import sample_from_workdir
 from parallax.train import check_resume, make_dataset, train_and_evaluate
 from parallax.trainer import Trainer
@@ -108,10 +108,8 @@ def test_2bw_resume_is_exact_and_eval_runs_on_the_current_weights(tmp_path):
         c.optim.decay_steps = 6
         return c
 
-    def metrics(workdir):  # strict JSON: NaN or Infinity in the file is an error
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in f]
-        return [(r["step"], r.get("loss", np.nan), r.get("eval_loss")) for r in rows]
+    def metrics(workdir):  # read_metrics parses strict JSON: a NaN in the file fails
+        return [(r["step"], r.get("loss", np.nan), r.get("eval_loss")) for r in read_metrics(workdir)]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train_and_evaluate(config(6), straight, log=lambda *_: None)
     train_and_evaluate(config(3), resumed, log=lambda *_: None)

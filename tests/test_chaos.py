@@ -8,12 +8,10 @@ every step's loss, grad_norm and lr in `metrics.jsonl` (each step exactly once),
 directory may be left behind.
 """
 
-import json
 import os
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, launcher_command, read_metrics, run_launcher, tiny_config
 from parallax.checkpoint import Checkpointer
 from parallax.train import train_and_evaluate
 from parallax.trainer import Trainer
@@ -37,9 +35,9 @@ OVERRIDES = {"mesh.data": 1, "mesh.fsdp": DEVICES, "train.steps": STEPS, "train.
              "train.eval_every": 0, "optim.decay_steps": 1000, "optim.warmup_steps": 3}
 
 
-def _command(workdir):
-    return [sys.executable, "-u", os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
-            f"--workdir={workdir}", f"--cpu_devices={DEVICES}", *[f"--config.{k}={v}" for k, v in OVERRIDES.items()]]
+def _flags(workdir):
+    return ["--config=configs/tiny.py", f"--workdir={workdir}", f"--cpu_devices={DEVICES}",
+            *[f"--config.{k}={v}" for k, v in OVERRIDES.items()]]
 
 
 def _config():
@@ -50,16 +48,11 @@ def _config():
     return config
 
 
-def _records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def _run_and_kill(workdir, delay):
     """Starts the run; `delay` seconds after its first progress line (training has resumed and the first
     step compiled) SIGKILLs it. Returns (killed, the temp dirs the kill left, the step it printed last)."""
-    proc = subprocess.Popen(_command(workdir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(launcher_command("train", *_flags(workdir), unbuffered=True), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     started, lines = threading.Event(), []
 
     def read():
@@ -97,9 +90,9 @@ def test_random_sigkills_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
         killed, temps = _run_and_kill(workdir, delay)
         kills += killed
         print(f"kill {kills} after {delay:.2f} s: left {temps or 'no temp dir'}; last logged step "
-              f"{_records(workdir)[-1]['step']}")
+              f"{read_metrics(workdir)[-1]['step']}")
         mid_save += bool(temps)
-    final = subprocess.run(_command(workdir), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    final = run_launcher("train", *_flags(workdir), timeout=300, unbuffered=True)
     assert final.returncode == 0, final.stderr[-3000:]
     print(f"{kills} kills ({mid_save} left an unfinished async save behind), chaos runs {time.time() - t0:.0f} s")
     assert kills == KILLS, "a run finished before it was killed: raise STEPS"
@@ -110,7 +103,7 @@ def test_random_sigkills_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     config.train.checkpoint_every = 0  # saves do not change the math; the last step is saved regardless
     reference = train_and_evaluate(config, straight, devices=devices, log=lambda *_: None)
 
-    got, want = _records(workdir), _records(straight)
+    got, want = read_metrics(workdir), read_metrics(straight)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in got] == [r[key] for r in want], key

@@ -5,19 +5,17 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import ROOT, tiny_config
-from parallax.config import ConfigError
+from helpers import ROOT, launcher_command, read_metrics, run_launcher, tiny_config
+from parallax.errors import ConfigError
 from parallax.train import check_resume, train_and_evaluate
 
 
 def _losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+    return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
 
 
 def _config(steps, decay_steps=6):
@@ -71,11 +69,11 @@ def test_resume_refuses_a_workdir_from_before_named_models():
 
 def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
     workdir = str(tmp_path / "run")
-    args = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
-            f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8", "--config.train.steps=100000",
-            "--config.train.log_every=1", "--config.train.checkpoint_every=0", "--config.train.eval_every=0",
-            "--config.optim.decay_steps=1000"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8",
+             "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.checkpoint_every=0",
+             "--config.train.eval_every=0", "--config.optim.decay_steps=1000"]
+    proc = subprocess.Popen(launcher_command("train", *flags), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     metrics = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 120
     while time.time() < deadline and (not os.path.exists(metrics) or len(_losses(workdir)) < 3):
@@ -88,8 +86,7 @@ def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
     assert 3 <= stopped < 100000
     # Rerun to a few steps past the stop; the losses equal one uninterrupted run.
     target = stopped + 3
-    rerun = subprocess.run(args[:-5] + [f"--config.train.steps={target}"] + args[-4:], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
+    rerun = run_launcher("train", *flags[:-5], f"--config.train.steps={target}", *flags[-4:], timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     straight = tiny_config(data=8)
     straight.train.update(steps=target, log_every=1, checkpoint_every=0, eval_every=0)
@@ -129,14 +126,12 @@ def _snapshot(root):
 
 
 def _launch(workdir):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
-                           f"--workdir={workdir}", "--cpu_devices=8"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return run_launcher("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8", timeout=300)
 
 
 @pytest.mark.parametrize("damage", ["no-config-json", "corrupt-checkpoint", "foreign-checkpoint", "bad-config-json"])
 def test_unusable_workdir_exits_2_with_one_line_and_is_left_as_it_was(tmp_path, damage):
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
     workdir = tmp_path / "run"
     step = workdir / "checkpoints" / "3"
     step.mkdir(parents=True)
@@ -178,8 +173,7 @@ def test_rerun_after_a_kill_drops_repeated_metrics_and_orbax_temp_dirs(tmp_path)
     train_and_evaluate(_config(6), str(workdir), log=_quiet)
     assert [step for step, _ in _losses(workdir)] == [1, 2, 3, 4, 5, 6]
     from parallax.train import make_dataset
-    with open(workdir / "metrics.jsonl") as f:
-        last = json.loads(f.read().splitlines()[-1])
+    last = read_metrics(workdir)[-1]
     assert last["epoch"] == pytest.approx(make_dataset(_config(6)).epoch(6), abs=1e-6) and last["epoch"] > 0
     assert not tmp.exists() and sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
 
@@ -212,18 +206,17 @@ def test_sigkill_then_rerun_logs_each_step_once(tmp_path):
     """A real SIGKILL between checkpoints: the rerun resumes at the last checkpoint and metrics.jsonl ends up
     with every step exactly once, with no Orbax temp directory left."""
     workdir = str(tmp_path / "run")
-    args = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
-            f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8", "--config.train.steps=100000",
-            "--config.train.log_every=1", "--config.train.checkpoint_every=3", "--config.train.eval_every=0",
-            "--config.optim.decay_steps=1000"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8",
+             "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.checkpoint_every=3",
+             "--config.train.eval_every=0", "--config.optim.decay_steps=1000"]
+    proc = subprocess.Popen(launcher_command("train", *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     metrics = os.path.join(workdir, "metrics.jsonl")
 
     def steps_logged():  # the kill may tear the last line
         if not os.path.exists(metrics):
             return []
-        with open(metrics) as f:
-            return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+        return [r["step"] for r in read_metrics(workdir, skip_torn_line=True)]
 
     deadline = time.time() + 180
     while time.time() < deadline and not (len(steps_logged()) >= 5 and steps_logged()[-1] % 3):
@@ -233,8 +226,8 @@ def test_sigkill_then_rerun_logs_each_step_once(tmp_path):
     logged = steps_logged()[-1]
     saved = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
     assert logged >= max(saved, default=0)  # almost always >: lines past the last checkpoint to drop
-    args[6] = f"--config.train.steps={logged + 2}"
-    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    flags[4] = f"--config.train.steps={logged + 2}"
+    rerun = run_launcher("train", *flags, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert [step for step, _ in _losses(workdir)] == list(range(1, logged + 3))
     assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if "orbax-checkpoint-tmp" in n]

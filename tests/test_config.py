@@ -2,13 +2,14 @@
 
 import glob
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT
-from parallax.config import ConfigError, apply_override, load_config_file
+from helpers import ROOT, run_launcher
+from parallax.config import apply_override
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.trainer import shape_check
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -63,9 +64,8 @@ BAD = [
 
 @pytest.mark.parametrize("args,expected", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_exits_2_with_one_line(args, expected, tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
-           f"--workdir={tmp_path}", "--cpu_devices=8", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={tmp_path}", "--cpu_devices=8", *args,
+                        timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
@@ -98,8 +98,7 @@ def test_bad_config_file_is_one_line_naming_file_and_line(text, expected, tmp_pa
 def test_bad_config_file_exits_2_from_the_launcher(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text(BAD_FILES[2][0])
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch/train.py"), f"--config={path}",
-                           f"--workdir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_launcher("train", f"--config={path}", f"--workdir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "bad.py:5: unknown key 'stpes'" in lines[0] and "steps" in lines[0], proc.stderr

@@ -7,7 +7,6 @@ the step alone (a batch is a function of seed and step, `host_rows` picks this h
 depends on the device count the checkpoint was written with.
 """
 
-import json
 import os
 import shutil
 
@@ -15,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import rel_err, tiny_config
+from helpers import read_metrics, rel_err, tiny_config
 from parallax.checkpoint import Checkpointer
 from parallax.train import train_and_evaluate
 from parallax.trainer import Trainer
@@ -34,8 +33,7 @@ def _config(devices, steps):
 
 
 def _losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    return {r["step"]: r["loss"] for r in read_metrics(workdir)}
 
 
 def _params(workdir, devices, step):

@@ -7,8 +7,6 @@ norm scales and biases so that a mapping that drops or swaps one of them shows i
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +20,10 @@ pytest.importorskip("safetensors", reason="parallax.hf needs safetensors")
 from flax import nnx  # noqa: E402
 
 from parallax import hf  # noqa: E402
-from parallax.config import ConfigError  # noqa: E402
+from parallax.errors import ConfigError  # noqa: E402
 from parallax.model import forward  # noqa: E402
 from parallax.trainer import Trainer  # noqa: E402
-from helpers import ROOT  # noqa: E402
+from helpers import ROOT, read_metrics, run_launcher  # noqa: E402
 
 TOL = 1e-4  # max abs logits error vs transformers, fp32
 
@@ -229,26 +227,24 @@ def test_bad_checkpoints_are_config_errors_naming_the_value(checkpoints, tmp_pat
 
 
 def _cli(script, *args):
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=300)
+    return run_launcher(script, *args, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
 
 
 @pytest.mark.slow
 def test_cli_import_then_train_resumes_from_the_imported_weights(checkpoints, tmp_path):
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
     from parallax.train import make_dataset
 
     hf_dir, _ = checkpoints["llama"]
     work = str(tmp_path / "run")
-    r = _cli("hf_import.py", f"--hf_dir={hf_dir}", f"--workdir={work}", "--cpu_devices=8", "--config.mesh.data=1",
+    r = _cli("hf_import", f"--hf_dir={hf_dir}", f"--workdir={work}", "--cpu_devices=8", "--config.mesh.data=1",
              "--config.mesh.fsdp=4", "--config.mesh.tensor=2", "--config.train.steps=2", "--config.train.seq_len=32",
              "--config.train.log_every=1", "--config.train.eval_every=0")
     assert r.returncode == 0, r.stderr
-    r = _cli("train.py", f"--config={work}/config.json", f"--workdir={work}", "--cpu_devices=8")
+    r = _cli("train", f"--config={work}/config.json", f"--workdir={work}", "--cpu_devices=8")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
-    losses = [json.loads(line)["loss"] for line in open(os.path.join(work, "metrics.jsonl"))]
+    losses = [r["loss"] for r in read_metrics(work)]
     assert len(losses) == 2
     # The first step's loss is the imported model's loss on batch 0 (computed here on one device).
     config = load_config_file(os.path.join(work, "config.json"))
@@ -260,11 +256,11 @@ def test_cli_import_then_train_resumes_from_the_imported_weights(checkpoints, tm
     assert abs(losses[0] - float(loss)) <= 1e-5 * abs(float(loss)), (losses[0], float(loss))
 
     out = str(tmp_path / "exported")
-    r = _cli("hf_export.py", f"--workdir={work}", f"--out={out}", "--cpu_devices=8")
+    r = _cli("hf_export", f"--workdir={work}", f"--out={out}", "--cpu_devices=8")
     assert r.returncode == 0, r.stderr
     transformers.AutoModelForCausalLM.from_pretrained(out)  # the trained run loads in transformers
 
-    r = _cli("hf_import.py", f"--hf_dir={tmp_path / 'missing'}", f"--workdir={tmp_path / 'run2'}")
+    r = _cli("hf_import", f"--hf_dir={tmp_path / 'missing'}", f"--workdir={tmp_path / 'run2'}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"config error: --hf_dir={tmp_path / 'missing'}: no such directory; pass a directory holding config.json "

@@ -2,16 +2,15 @@
 traces (`train.profile_steps`), and launch/plot.py's PNG from a real run's workdir."""
 
 import glob
-import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, tiny_config
-from parallax.config import ConfigError, apply_override
+from helpers import ROOT, read_metrics, run_launcher, tiny_config
+from parallax.config import apply_override
+from parallax.errors import ConfigError
 from parallax.plan import make_plan
 from parallax.summary import TensorBoardWriter, read_scalars
 from parallax.throughput import Throughput, peak_flops
@@ -26,9 +25,7 @@ def run(tmp_path_factory):
     config.train.update(steps=4, eval_every=2, checkpoint_every=0, profile_steps=(2, 3))
     lines = []
     train_and_evaluate(config, workdir, log=lines.append)
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return workdir, records, lines
+    return workdir, read_metrics(workdir), lines
 
 
 @pytest.mark.slow  # the run fixture: about 40 s on 2 busy cores
@@ -69,12 +66,11 @@ def test_profile_steps_leave_a_trace(run):
 def test_plot_writes_a_png_from_a_runs_workdir(run, tmp_path):
     workdir, _, _ = run
     out = tmp_path / "curves.png"
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "plot.py"), f"--workdir={workdir}",
-           f"--compare={workdir}", f"--out={out}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    flags = [f"--workdir={workdir}", f"--compare={workdir}", f"--out={out}"]
+    result = run_launcher("plot", *flags)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    result = subprocess.run(cmd[:3], capture_output=True, text=True, cwd=ROOT)  # default: WORKDIR/metrics.png
+    result = run_launcher("plot", *flags[:1])  # default: WORKDIR/metrics.png
     assert result.returncode == 0 and os.path.getsize(os.path.join(workdir, "metrics.png")) > 0, result.stderr
 
 
@@ -82,8 +78,7 @@ def test_plot_writes_a_png_from_a_runs_workdir(run, tmp_path):
 def test_plot_without_logged_steps_exits_2_naming_the_workdir(tmp_path, contents):
     if contents is not None:
         (tmp_path / "metrics.jsonl").write_text(contents)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plot.py"), f"--workdir={tmp_path}"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = run_launcher("plot", f"--workdir={tmp_path}")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"plot: {tmp_path}: ") and "train" in lines[0], result.stderr
@@ -91,9 +86,8 @@ def test_plot_without_logged_steps_exits_2_naming_the_workdir(tmp_path, contents
 
 
 def test_bad_profile_steps_exit_2_with_the_fix(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"),
-                             f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}", f"--workdir={tmp_path / 'w'}",
-                             "--config.train.profile_steps=5,2"], capture_output=True, text=True, cwd=ROOT)
+    result = run_launcher("train", f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}",
+                          f"--workdir={tmp_path / 'w'}", "--config.train.profile_steps=5,2")
     assert result.returncode == 2
     assert result.stderr.startswith("config error: config.train.profile_steps=(5, 2): expected two steps FIRST,LAST")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -173,7 +167,7 @@ def test_flops_per_token_counts_matmul_params_and_attention(model):
 
 def test_a_model_without_a_flops_hook_counts_6_per_non_lookup_parameter():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
     config = load_config_file(os.path.join(ROOT, "tests", "user_model_config.py"))
     plan = make_plan(config, 1)
     got = plan.model_class.flops_per_token(plan.model_config, 16, plan.abstract_params, plan.logical)

@@ -4,13 +4,11 @@ TPU topology."""
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, run_launcher, tiny_config
 from parallax.memory import MemoryReport, advice, memory_report
 
 
@@ -37,9 +35,7 @@ def test_fsdp_shards_the_state_per_device():
 
 
 def _plan(*args):
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "plan.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return run_launcher("plan", *args, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def test_plan_says_whether_it_fits_on_the_last_line_and_in_the_exit_status():

@@ -3,17 +3,16 @@ user's model named by import path match their 1-device runs on every layout; con
 
 import ast
 import glob
-import json
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT, assert_parity, loss_grads_and_steps, tiny_config
-from parallax.config import ConfigError, load_config_file
+from helpers import ROOT, assert_parity, loss_grads_and_steps, read_metrics, run_launcher, tiny_config
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.plan import make_plan
 
 TOL = 1e-5
@@ -77,11 +76,10 @@ def test_gpt2_every_gradient_is_nonzero(gpt2_reference):
 
 def _train(workdir, devices, *overrides):
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/tests/user_model_config.py",
-           f"--workdir={workdir}", f"--cpu_devices={devices}", *overrides]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = run_launcher("train", f"--config={ROOT}/tests/user_model_config.py", f"--workdir={workdir}",
+                       f"--cpu_devices={devices}", *overrides, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    return read_metrics(workdir)
 
 
 @pytest.mark.slow

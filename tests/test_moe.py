@@ -3,8 +3,6 @@ mesh-independent dropping, dropless references, the all-to-alls in the compiled 
 balancing, and config errors."""
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +11,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from helpers import ROOT, assert_parity, loss_grads_and_steps
+from helpers import ROOT, assert_parity, loss_grads_and_steps, run_launcher
 from parallax import hlo
-from parallax.config import ConfigError, load_config_file
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.parallel import expert as ep_lib
 from parallax.plan import make_plan
 from parallax.train import make_dataset
@@ -333,10 +332,9 @@ def test_ragged_model_on_one_expert_rank_matches_single_device(mesh):
 
 def test_ragged_dispatch_across_expert_ranks_on_cpu_exits_2(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/configs/moe_tiny.py",
-           f"--workdir={tmp_path}", "--cpu_devices=2", "--config.mesh.expert=2", "--config.mesh.data=1",
-           "--config.model.moe.dispatch=ragged"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    run = run_launcher("train", f"--config={ROOT}/configs/moe_tiny.py", f"--workdir={tmp_path}", "--cpu_devices=2",
+                       "--config.mesh.expert=2", "--config.mesh.data=1", "--config.model.moe.dispatch=ragged",
+                       env=env, timeout=300)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "ragged_all_to_all is not implemented on XLA:CPU" in run.stderr
     assert "moe.dispatch='capacity' with moe.capacity_factor=0" in run.stderr

@@ -3,7 +3,6 @@
 2 processes x 4 CPU devices train like 1 process with 8, a killed process makes the other exit non-zero
 within 30 s, and the rerun resumes from the last complete checkpoint."""
 
-import json
 import os
 import subprocess
 import sys
@@ -14,10 +13,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, read_metrics, run_launcher, tiny_config
 from parallax import distributed
-from parallax.config import ConfigError
 from parallax.defaults import default_config
+from parallax.errors import ConfigError
 from parallax.train import train_and_evaluate
 
 # Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.
@@ -69,10 +68,9 @@ def test_lost_peer_line_names_the_process():
 
 
 def test_dist_config_errors_exit_2_before_anything_starts(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py",
-                           f"--workdir={tmp_path / 'run'}", "--cpu_devices=1", "--config.dist.coordinator=localhost:1",
-                           "--config.dist.num_processes=2", "--config.dist.process_id=5"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}", "--cpu_devices=1",
+                        "--config.dist.coordinator=localhost:1", "--config.dist.num_processes=2",
+                        "--config.dist.process_id=5", timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "config error: config.dist.process_id=5: must be in [0, 1] for num_processes=2 (each process gets its "
@@ -81,8 +79,7 @@ def test_dist_config_errors_exit_2_before_anything_starts(tmp_path):
 
 
 def _records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return read_metrics(workdir, skip_torn_line=True)
 
 
 def _children(pid):

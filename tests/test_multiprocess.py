@@ -5,16 +5,14 @@ distinct rows when the batch is split across the processes (data=8), the whole b
 (seq=2 x tensor=4 spans both processes with every row replicated).
 """
 
-import json
 import os
 import socket
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, launcher_command, read_metrics, tiny_config
 from parallax.train import train_and_evaluate
 
 # Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.
@@ -28,8 +26,7 @@ def _free_port() -> int:
 
 
 def _losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [r["loss"] for r in map(json.loads, f)]
+    return [r["loss"] for r in read_metrics(workdir)]
 
 
 CASES = {"data8": dict(data=8), "seq2-tensor4-ring": dict(seq=2, tensor=4, attention="ring")}
@@ -46,9 +43,9 @@ def test_two_processes_match_one_process(case, tmp_path):
     port, workdir = _free_port(), str(tmp_path / "multi")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "launch/train.py"), "--config=configs/tiny.py", f"--workdir={workdir}",
-         "--cpu_devices=4", f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}",
-         *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        launcher_command("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=4",
+                         f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}", *overrides),
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     for proc in procs:
         out, err = proc.communicate(timeout=300)

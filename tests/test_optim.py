@@ -4,7 +4,6 @@ Muon is checked against `optax.contrib.muon` given the same dimension numbers (o
 logical names; stacked 3-D weights are batches of matrices), against the 1-device run on sharded meshes,
 and the delay against a hand-written loop that applies each gradient one step late.
 """
-import json
 import math
 import os
 
@@ -15,9 +14,10 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
-from helpers import ROOT, assert_parity, loss_grads_and_steps, rel_err, tiny_config
+from helpers import ROOT, assert_parity, loss_grads_and_steps, read_metrics, rel_err, tiny_config
 from parallax import hlo, optim
-from parallax.config import ConfigError, load_config_file
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
 from parallax.plan import make_plan
 from parallax.sharding import is_logical_names
 from parallax.train import make_dataset, train_and_evaluate
@@ -245,8 +245,7 @@ def test_resume_in_the_middle_of_a_delayed_corrected_muon_run_is_exact(tmp_path)
         return c
 
     def losses(workdir):
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+        return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train_and_evaluate(config(6), straight, log=lambda *_: None)
     train_and_evaluate(config(3), resumed, log=lambda *_: None)

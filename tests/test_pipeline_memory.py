@@ -116,7 +116,7 @@ def test_which_inputs_are_routed_sees_through_the_chunked_loss(model):
     import os
 
     from helpers import ROOT
-    from parallax.config import load_config_file
+    from parallax.defaults import load_config_file
 
     if model == "moe":
         config = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))

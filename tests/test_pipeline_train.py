@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from helpers import assert_parity, loss_grads_and_steps, tiny_config
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
 

@@ -2,8 +2,6 @@
 broken tables, the simulator prices ticks honestly, the renderers and the CLI work. No jax needed."""
 import dataclasses
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -251,13 +249,12 @@ def test_render_summary_ends_with_the_one_line_result():
 
 
 def test_cli_prints_summary_and_exits_2_on_bad_arguments():
-    cmd = [sys.executable, str(REPO / "launch" / "schedule.py")]
-    ok = subprocess.run(cmd + ["--schedule=zbv", "--stages=4", "--microbatches=8"], capture_output=True,
-                        text=True, check=True)
+    from helpers import run_launcher  # here: the module's other tests need no jax, helpers imports the trainer
+
+    ok = run_launcher("schedule", "--schedule=zbv", "--stages=4", "--microbatches=8", check=True)
     assert ok.stdout.splitlines()[-1] == (
         "schedule=zbv stages=4 microbatches=8 bubble=0.059 peak_slots=8 ticks=51")
-    bad = subprocess.run(cmd + ["--schedule=interleaved_1f1b", "--stages=4", "--microbatches=6",
-                                "--virtual=2"], capture_output=True, text=True)
+    bad = run_launcher("schedule", "--schedule=interleaved_1f1b", "--stages=4", "--microbatches=6", "--virtual=2")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "set microbatches=8" in bad.stderr
 

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import assert_parity, loss_grads_and_steps, tiny_config
 from parallax import hlo
-from parallax.config import ConfigError
+from parallax.errors import ConfigError
 from parallax.plan import make_plan
 from parallax.train import make_dataset
 from parallax.trainer import Trainer

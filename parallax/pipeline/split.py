@@ -19,9 +19,9 @@ microbatch's slot until W runs W's equations on it. Every equation of the fused 
 (B + W = BW, counted in `parallax.pipeline.work`), at the cost of holding the boundary between B and W,
 as the zero-bubble paper's W does.
 """
-from jax._src import core  # Var / Literal / DropVar: reading and evaluating jaxprs (no public API in jax 0.10)
-
 import jax
+
+from parallax.compat import DropVar, Literal, Var
 
 # Call-like primitives whose body is inlined, so that their equations can go to B or to W separately.
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat"}
@@ -30,7 +30,7 @@ _INLINE = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "r
 def _eval(eqns, env):
     """Evaluates `eqns` in order, reading and writing `env` (Var -> value); call-like eqns are inlined."""
     def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
+        return v.val if isinstance(v, Literal) else env[v]
     for eqn in eqns:
         invals = [read(v) for v in eqn.invars]
         inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINE else None
@@ -39,7 +39,7 @@ def _eval(eqns, env):
             sub = dict(zip(jaxpr.constvars, consts))
             sub.update(zip(jaxpr.invars, invals))
             _eval(jaxpr.eqns, sub)
-            outs = [v.val if isinstance(v, core.Literal) else sub[v] for v in jaxpr.outvars]
+            outs = [v.val if isinstance(v, Literal) else sub[v] for v in jaxpr.outvars]
         else:
             bind = eqn.primitive.get_bind_params(eqn.params)  # jax 0.10: params; older: (subfuns, params)
             subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
@@ -47,18 +47,18 @@ def _eval(eqns, env):
                 outs = eqn.primitive.bind(*subfuns, *invals, **params)
             outs = outs if eqn.primitive.multiple_results else [outs]
         for v, x in zip(eqn.outvars, outs):
-            if not isinstance(v, core.DropVar):
+            if not isinstance(v, DropVar):
                 env[v] = x
 
 
 def _live(eqns, outvars):
     """The equations `outvars` depend on, in order."""
-    need = {v for v in outvars if isinstance(v, core.Var)}
+    need = {v for v in outvars if isinstance(v, Var)}
     keep = []
     for eqn in reversed(eqns):
         if any(v in need for v in eqn.outvars):
             keep.append(eqn)
-            need.update(v for v in eqn.invars if isinstance(v, core.Var))
+            need.update(v for v in eqn.invars if isinstance(v, Var))
     return keep[::-1]
 
 
@@ -78,7 +78,7 @@ class SplitBackward:
             env = dict(zip(closed.jaxpr.constvars, closed.consts))
             env.update(zip(closed.jaxpr.invars, a))
             _eval(closed.jaxpr.eqns, env)
-            return [v.val if isinstance(v, core.Literal) else env[v] for v in closed.jaxpr.outvars]
+            return [v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.outvars]
         flat = jax.make_jaxpr(flat_fn)(*flat_in)
         self.jaxpr, self.consts = flat.jaxpr, flat.consts
         _, self.out_tree = jax.tree.flatten(jax.eval_shape(lambda *a: pullback_fn(*jax.tree.unflatten(self.in_tree, a)),
@@ -90,7 +90,7 @@ class SplitBackward:
         self.w_eqns = [e for e in _live(self.jaxpr.eqns, outvars[:-1]) if id(e) not in in_b]
         b_defined = {v for e in self.b_eqns for v in e.outvars} | set(self.jaxpr.invars[-1:])
         w_reads = [v for e in self.w_eqns for v in e.invars] + list(outvars[:-1])
-        self.boundary = list(dict.fromkeys(v for v in w_reads if isinstance(v, core.Var) and v in b_defined))
+        self.boundary = list(dict.fromkeys(v for v in w_reads if isinstance(v, Var) and v in b_defined))
 
     def _env(self, leaves, dy):
         env = dict(zip(self.jaxpr.constvars, self.consts))
@@ -102,7 +102,7 @@ class SplitBackward:
         env = self._env(leaves, dy)
         _eval(self.b_eqns, env)
         out = self.jaxpr.outvars[-1]
-        dx = out.val if isinstance(out, core.Literal) else env[out]
+        dx = out.val if isinstance(out, Literal) else env[out]
         return dx, tuple(env[v] for v in self.boundary)
 
     def w(self, leaves, boundary):
@@ -111,7 +111,7 @@ class SplitBackward:
         env.update((v, a) for v, a in zip(self.jaxpr.invars[:-1], jax.tree.leaves(leaves)))
         env.update(zip(self.boundary, boundary))
         _eval(self.w_eqns, env)
-        dw = [v.val if isinstance(v, core.Literal) else env[v] for v in self.jaxpr.outvars[:-1]]
+        dw = [v.val if isinstance(v, Literal) else env[v] for v in self.jaxpr.outvars[:-1]]
         return jax.tree.unflatten(self.dw_tree, dw)
 
     @property

@@ -8,8 +8,8 @@ This is what a split backward costs, measured instead of assumed: for zb_h1 / zb
 B + W must cost one fused BW.
 """
 import numpy as np
-from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent in jax 0.10
 
+from parallax.compat import dce_jaxpr
 from parallax.pipeline.program import Field, Op
 
 BRANCH_NAMES = {Op.IDLE: "idle", Op.F: "F", Op.F_FIRST: "F_first", Op.F_LAST: "F_last", Op.B: "B",
@@ -72,7 +72,7 @@ def branch_flops(closed_jaxpr) -> list:
         raise ValueError("no pipeline tick switch in this jaxpr: trace a step that calls pipeline_value_and_grad")
     out = []
     for branch in switch.params["branches"]:
-        live, _ = pe.dce_jaxpr(branch.jaxpr, [True] * len(branch.jaxpr.outvars))
+        live, _ = dce_jaxpr(branch.jaxpr, [True] * len(branch.jaxpr.outvars))
         out.append(dot_flops(live))
     return out
 
