@@ -113,3 +113,16 @@ def test_default_config_is_locked_but_user_model_keys_come_from_its_defaults():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     user = load_config_file(os.path.join(ROOT, "tests", "user_model_config.py"))
     assert user.model.width == 16 and user.is_locked
+
+
+def test_readme_python_tour_runs_up_to_training(monkeypatch):
+    """The README's Python API block, imports and config lines (everything before it trains), runs as
+    written: a moved function breaks it here, not in a user's first session."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    start = readme.index("```python", readme.index("## The Python API")) + len("```python\n")
+    lines = readme[start:readme.index("```", start)].splitlines()
+    setup = "\n".join(lines[:next(i for i, line in enumerate(lines) if line.startswith("result ="))])
+    scope = {}
+    monkeypatch.chdir(ROOT)  # the README's paths are relative to the checkout
+    exec(setup, scope)  # noqa: S102 -- the README's own code
+    assert scope["config"].train.steps == 100
