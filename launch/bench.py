@@ -79,6 +79,7 @@ def bench_pipeline(steps):
     from parallax.train import make_dataset
     from parallax.trainer import Trainer
 
+    from parallax.paths import SteadyPipelinePath
     from parallax.pipeline import work
     from parallax.pipeline.program import compile_schedule
 
@@ -96,7 +97,7 @@ def bench_pipeline(steps):
             state = trainer.init_state()
             batch = trainer.device_batch(dataset.batch(0))
             step = trainer._loss_and_grads
-            if schedule == "2bw":  # one window, finishing the previous batch with its weights
+            if isinstance(trainer.path, SteadyPipelinePath):  # 2bw: one window, finishing the previous batch
                 def step(state, batch):
                     pipe = state["pipeline"]
                     return trainer.path.window(pipe["previous"], state["params"], pipe["batch"], batch,
@@ -108,7 +109,7 @@ def bench_pipeline(steps):
             jaxpr = jax.make_jaxpr(step)(state, batch)
             gflop = work.step_flops(jaxpr, compile_schedule(trainer.plan.schedule))["total"] / 1e9
             held = f"{temp:.2f}"
-            if schedule == "2bw":  # its slots and inbox are arguments (kept in the train state), not temp
+            if trainer.path.state_keys:  # 2bw: its slots and inbox are arguments (kept in the train state), not temp
                 inflight = jax.tree.leaves(state["pipeline"]["inflight"])  # leading dim: the devices
                 held += f" + {sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in inflight) / 2**20:.2f} in flight"
             print(f"| {schedule} | 4 | {m} | {trainer.pipeline.num_ticks} | {gflop:.3f} | {held} |", flush=True)

@@ -31,7 +31,8 @@ def read_metrics(workdir: str) -> list[dict]:
                 records.append(json.loads(line))
             except ValueError:
                 continue
-    records = [r for r in records if isinstance(r, dict) and "step" in r and "loss" in r]
+    # A step that completed no batch (a 2bw run's first) has no loss; its other keys (eval_loss) still count.
+    records = [r for r in records if isinstance(r, dict) and "step" in r]
     if not records:
         raise MetricsError(f"{workdir}: metrics.jsonl has no logged steps yet; train longer than "
                            f"train.log_every steps, or pick the workdir of a run that has")

@@ -2,6 +2,7 @@
 traces (`train.profile_steps`), and launch/plot.py's PNG from a real run's workdir."""
 
 import glob
+import json
 import math
 import os
 import sys
@@ -179,3 +180,16 @@ def test_progress_line_shows_mfu_only_when_logged():
     record = {"step": 5, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 1e4, "step_time_s": 0.1}
     assert "mfu" not in _progress_line(record, 10, 1.0)
     assert "mfu 41.2%" in _progress_line({**record, "mfu": 0.412}, 10, 1.0)
+
+
+def test_plot_reads_a_step_that_completed_no_batch_and_draws_its_eval(tmp_path):
+    """A 2bw run's first row has no loss (no batch completed) but may have an eval loss: plots keep the row
+    (its eval point) and draw the train loss from the rows that have one."""
+    from parallax.plots import plot_runs, read_metrics as plot_metrics
+
+    rows = [{"step": 1, "lr": 1e-3, "eval_loss": 5.0, "tokens_per_sec": 10.0},
+            {"step": 2, "loss": 4.0, "grad_norm": 1.0, "lr": 1e-3, "eval_loss": 4.5, "tokens_per_sec": 10.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["step"] for r in plot_metrics(str(tmp_path))] == [1, 2]
+    out = plot_runs([str(tmp_path)], str(tmp_path / "curves.png"))
+    assert open(out, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
