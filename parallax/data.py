@@ -71,6 +71,38 @@ class _Stream:
     tokens: np.ndarray  # [n_tokens], any integer dtype, possibly a memmap
     starts: np.ndarray  # [n_docs] int64, strictly increasing
 
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.starts)
+
+    def window(self, offset: int, n: int):
+        """Tokens [offset, offset + n) (fewer at the end) and the document starts inside them, relative to
+        `offset`, with 0 first (the document the window begins in). `shards.ShardStream` has the same."""
+        hi = min(offset + n, len(self.tokens))
+        i0, i1 = np.searchsorted(self.starts, offset, side="right"), np.searchsorted(self.starts, hi, side="left")
+        return (np.asarray(self.tokens[offset:hi]),
+                np.concatenate([[0], np.asarray(self.starts[i0:i1], np.int64) - offset]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+    """Several sources of one split drawn by weight (`data.mixture`): source k's stream, name and weight
+    (normalised to sum 1); a source without documents in this split is None."""
+
+    names: tuple
+    weights: tuple
+    streams: tuple
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.streams if s is not None)
+
+    @property
+    def num_docs(self) -> int:
+        return sum(s.num_docs for s in self.streams if s is not None)
+
 
 def _concat(docs, eos_id, dtype):
     lengths = np.array([len(d) + (eos_id is not None) for d in docs], dtype=np.int64)
@@ -243,12 +275,13 @@ class Dataset:
     sampler: str = "random"  # see make_dataset
 
     def batch(self, step: int, split: str = "train", *, process_index: int = 0,
-              process_count: int = 1, rows: tuple[int, int] | None = None) -> dict:
+              process_count: int = 1, rows: tuple[int, int] | None = None, source: str | None = None) -> dict:
         """This host's rows of the global batch: each array is [rows, seq_len].
 
         With ``rows=(lo, hi)`` the host gets global rows ``[lo, hi)`` (use ``host_rows`` to ask the batch
         sharding which rows this host's devices hold); otherwise host ``i`` of ``process_count`` gets rows
-        ``[i * B/process_count, (i+1) * B/process_count)``.
+        ``[i * B/process_count, (i+1) * B/process_count)``. ``source`` (a mixture's source name) draws every
+        row from that source alone (per-source eval).
         """
         if split not in SPLITS:
             raise DataError(f"split={split!r} is unknown; use one of {SPLITS}")
@@ -261,6 +294,10 @@ class Dataset:
         if step < 0:
             raise DataError(f"step={step} is negative; steps count from 0")
         stream = self.streams[split]
+        if source is not None:
+            if not isinstance(stream, Mixture) or source not in stream.names:
+                raise DataError(f"source={source!r} is not a source of this corpus's mixture")
+            stream = stream.streams[stream.names.index(source)]
         if stream is None:
             raise DataError(f"the {split!r} split of this {self.source!r} corpus has no documents; "
                             "raise eval_fraction or add documents")
@@ -269,32 +306,86 @@ class Dataset:
             rows = (process_index * per_host, (process_index + 1) * per_host)
         if not 0 <= rows[0] < rows[1] <= self.global_batch_size:
             raise DataError(f"rows={rows} is not a row range of the global batch of {self.global_batch_size}")
-        return _pack(stream, self.seq_len, [self._offset(stream, step, split, r) for r in range(*rows)])
+        if not isinstance(stream, Mixture):
+            return _pack(stream, self.seq_len, [self._offset(stream, step, split, r) for r in range(*rows)])
+        parts = [self._mixture_row(stream, step, split, r) for r in range(*rows)]
+        packed = [_pack(stream.streams[k], self.seq_len, [offset]) for k, offset in parts]
+        return {key: np.concatenate([p[key] for p in packed]) for key in packed[0]}
 
-    def _offset(self, stream, step, split, row):
-        n_starts = len(stream.tokens) - self.seq_len  # windows of seq_len + 1 tokens that fit
+    def row_sources(self, step: int, split: str = "train", rows: tuple[int, int] | None = None) -> list[str]:
+        """The mixture source of each row of ``batch(step, split, rows=rows)`` (all rows by default)."""
+        stream = self.streams[split]
+        if not isinstance(stream, Mixture):
+            raise DataError("this corpus has no mixture (config.data.mixture is empty)")
+        rows = rows or (0, self.global_batch_size)
+        return [stream.names[self._mixture_row(stream, step, split, r)[0]] for r in range(*rows)]
+
+    def _offset(self, stream, step, split, row, index=None, key=()):
+        """The window start of `row`. `index` (the row's number among its source's rows) and `key` (the
+        source, mixed into the random draw) are a mixture's; a single stream's draws are unchanged by them."""
+        n_starts = len(stream) - self.seq_len  # windows of seq_len + 1 tokens that fit
         if n_starts <= 0:
             return 0
         if self.sampler == "epoch":  # row `row` of `step` is window number step * B + row of the epoch order
-            n_windows = _num_windows(len(stream.tokens), self.seq_len)
-            epoch, i = divmod(step * self.global_batch_size + row, n_windows)
-            return int(_epoch_order(self.seed, SPLITS.index(split), epoch, n_windows)[i]) * self.seq_len
-        rng = np.random.default_rng([self.seed, SPLITS.index(split), step, row])
+            n_windows = _num_windows(len(stream), self.seq_len)
+            g = step * self.global_batch_size + row if index is None else index
+            epoch, i = divmod(g, n_windows)
+            return int(_epoch_order(self.seed, SPLITS.index(split), epoch, n_windows, *key)[i]) * self.seq_len
+        rng = np.random.default_rng([self.seed, SPLITS.index(split), step, row, *key])
         return int(rng.integers(0, n_starts))
+
+    def _mixture_row(self, mixture, step, split, row):
+        """(source index, window start) of a mixture's row: the random sampler draws the source by weight
+        from the row's own seed; the epoch sampler deals rows out by `_mixture_slot` (exact shares), and
+        each source reads its windows in its own epoch order."""
+        weights = [w if s is not None else 0.0 for w, s in zip(mixture.weights, mixture.streams)]
+        if self.sampler == "epoch":
+            k, index = _mixture_slot(weights, step * self.global_batch_size + row)
+        else:
+            u = np.random.default_rng([self.seed, SPLITS.index(split), step, row, 1 << 20]).random()
+            cumulative = np.cumsum(weights) / sum(weights)
+            k, index = min(int(np.searchsorted(cumulative, u, side="right")), len(weights) - 1), None
+        return k, self._offset(mixture.streams[k], step, split, row, index, key=(k + 1,))
 
     def epoch(self, step: int) -> float:
         """Epochs of the train split consumed before `step`: rows read / train windows (exact for the
-        epoch sampler; the random sampler's expected coverage is lower)."""
-        windows = _num_windows(len(self.streams["train"].tokens), self.seq_len)
+        epoch sampler without a mixture; the random sampler's expected coverage is lower)."""
+        windows = _num_windows(len(self.streams["train"]), self.seq_len)
         return step * self.global_batch_size / windows
+
+    @property
+    def mixture_sources(self) -> tuple:
+        """The names of the mixture's sources with eval documents (per-source eval), else ()."""
+        stream = self.streams["eval"]
+        if not isinstance(stream, Mixture):
+            return ()
+        return tuple(n for n, s in zip(stream.names, stream.streams) if s is not None and len(s) > self.seq_len)
 
     def describe(self) -> str:
         """One line: the source, the number of documents, and the train / eval token counts."""
         streams = [s for s in self.streams.values() if s is not None]
-        n_tokens = {k: 0 if s is None else len(s.tokens) for k, s in self.streams.items()}
-        return (f"{self.source}: {sum(len(s.starts) for s in streams)} documents, "
+        n_tokens = {k: 0 if s is None else len(s) for k, s in self.streams.items()}
+        line = (f"{self.source}: {sum(s.num_docs for s in streams)} documents, "
                 f"{n_tokens['train']} train / {n_tokens['eval']} eval tokens, "
                 f"rows of {self.seq_len} tokens, global batch {self.global_batch_size}")
+        train = self.streams["train"]
+        if isinstance(train, Mixture):
+            line += "; mixture " + ", ".join(f"{n}={w:.3g}" for n, w in zip(train.names, train.weights))
+        return line
+
+
+def _mixture_slot(weights, g: int) -> tuple[int, int]:
+    """Row `g` of a mixture -> (its source k, its number among source k's rows), dealt out exactly: of rows
+    0..g, source 0 takes floor((g + 1) * w0) (Bresenham's line), source 1 the same share of the rest, and so
+    on. A pure function of g, so a resumed run needs only the step; each source's share is exact to a row."""
+    rest = float(sum(weights))
+    for k, w in enumerate(weights[:-1]):
+        p = w / rest if rest > 0 else 0.0
+        taken_before, taken_through = int(np.floor(g * p)), int(np.floor((g + 1) * p))
+        if taken_through > taken_before:
+            return k, taken_before
+        g, rest = g - taken_before, rest - w
+    return len(weights) - 1, g
 
 
 def _num_windows(n_tokens: int, seq_len: int) -> int:
@@ -302,38 +393,131 @@ def _num_windows(n_tokens: int, seq_len: int) -> int:
     return max((n_tokens - 1) // seq_len, 1)
 
 
-@functools.lru_cache(maxsize=4)
-def _epoch_order(seed: int, split: int, epoch: int, n_windows: int) -> np.ndarray:
-    """The epoch's seeded permutation of the window numbers (a pure function of its arguments)."""
-    order = np.random.default_rng([seed, split, epoch]).permutation(n_windows)
+@functools.lru_cache(maxsize=16)
+def _epoch_order(seed: int, split: int, epoch: int, n_windows: int, *source: int) -> np.ndarray:
+    """The epoch's seeded permutation of the window numbers (a pure function of its arguments; `source`:
+    a mixture's source, 1-based)."""
+    order = np.random.default_rng([seed, split, epoch, *source]).permutation(n_windows)
     order.flags.writeable = False
     return order
 
 
 def _pack(stream, seq_len, offsets):
     """Rows of seq_len tokens starting at each offset (padded past the stream's end); see module doc."""
-    offsets = np.asarray(offsets, np.int64)[:, None]  # [R, 1]
-    idx = offsets + np.arange(seq_len + 1)  # [R, L+1]
-    n = len(stream.tokens)
-    valid = idx < n
-    idx = np.minimum(idx, n - 1)
-    tokens = np.asarray(stream.tokens[idx], np.int32)
-    doc = np.searchsorted(stream.starts, idx, side="right") - 1  # [R, L+1] document of each token
-    positions = idx - np.maximum(stream.starts[doc], offsets)  # from the document's first token in the row
-    real = valid[:, :-1]
+    rows = [_pack_row(*stream.window(int(o), seq_len + 1), seq_len) for o in offsets]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _pack_row(tokens, starts, seq_len):
+    """One row from a window's tokens (at most seq_len + 1) and its document starts (0 first)."""
+    idx = np.arange(seq_len + 1)
+    valid = idx < len(tokens)
+    padded = np.zeros(seq_len + 1, np.int32)
+    padded[: len(tokens)] = tokens
+    doc = np.searchsorted(starts, idx, side="right") - 1  # the document of each token, 0 = the row's first
+    positions = idx - starts[doc]  # from the document's first token in the row
+    real = valid[:-1]
     return {
-        "inputs": np.where(real, tokens[:, :-1], 0).astype(np.int32),
-        "targets": np.where(valid[:, 1:], tokens[:, 1:], 0).astype(np.int32),
-        "segment_ids": np.where(real, doc[:, :-1] - doc[:, :1] + 1, 0).astype(np.int32),
-        "positions": np.where(real, positions[:, :-1], 0).astype(np.int32),
-        "weights": (valid[:, 1:] & (doc[:, 1:] == doc[:, :-1])).astype(np.float32),
+        "inputs": np.where(real, padded[:-1], 0).astype(np.int32),
+        "targets": np.where(valid[1:], padded[1:], 0).astype(np.int32),
+        "segment_ids": np.where(real, doc[:-1] + 1, 0).astype(np.int32),
+        "positions": np.where(real, positions[:-1], 0).astype(np.int32),
+        "weights": (valid[1:] & (doc[1:] == doc[:-1])).astype(np.float32),
     }
+
+
+def parse_mixture(text: str) -> dict:
+    """``"web=0.7,code=0.3"`` -> {"web": 0.7, "code": 0.3} (weights >= 0, any positive sum; normalised later)."""
+    weights = {}
+    for item in [i.strip() for i in str(text).split(",") if i.strip()]:
+        name, eq, value = item.partition("=")
+        try:
+            weight = float(value) if eq and name.strip() else None
+        except ValueError:
+            weight = None
+        if weight is None or not np.isfinite(weight) or weight < 0 or name.strip() in weights:
+            raise DataError(f"mixture={text!r}: cannot read {item!r}; write NAME=WEIGHT pairs with distinct names "
+                            "and weights >= 0, e.g. mixture='web=0.7,code=0.3'")
+        weights[name.strip()] = weight
+    if weights and sum(weights.values()) <= 0:
+        raise DataError(f"mixture={text!r}: the weights sum to 0; give at least one source a positive weight")
+    return weights
+
+
+def _tail_cut(stream_len, first_start_at_or_after, eval_fraction):
+    """Where the eval tail begins: the first document start at or after (1 - eval_fraction) of the tokens."""
+    if eval_fraction <= 0:
+        return stream_len
+    later = first_start_at_or_after(stream_len * (1.0 - eval_fraction))
+    return stream_len if later is None else later
+
+
+def _shard_streams(paths, vocab_size, eval_fraction, eos_id, tokenizer_hash, mixture):
+    """The train and eval streams of shard directories (``parallax.shards``): all shards in order as one
+    stream, its tail cut off for eval (as a token file of the same documents would be); with a mixture, one
+    such stream per source, each with its own eval tail."""
+    from parallax import shards as shard_lib
+
+    by_source, hashes = {}, {}
+    for directory in paths:
+        try:
+            manifest = shard_lib.read_manifest(directory)
+        except shard_lib.ShardError as e:
+            raise DataError(str(e)) from None
+        tok = manifest["tokenizer"]
+        hashes[directory] = tok["hash"]
+        if tokenizer_hash is not None and tok["hash"] != tokenizer_hash:
+            raise DataError(f"shard directory {directory!r} was tokenized by another tokenizer ({tok['kind']}, hash "
+                            f"{tok['hash'][:12]}) than this run's (hash {tokenizer_hash[:12]}); prepare it again with "
+                            f"this tokenizer, or train with tokenizer={directory}/tokenizer")
+        if eos_id is not None and tok.get("eos_id") != eos_id:
+            raise DataError(f"eos_id={eos_id}, but shard directory {directory!r} ends documents with "
+                            f"{tok.get('eos_id')}; drop eos_id (it comes from the tokenizer)")
+        for entry in manifest["shards"]:
+            shard = shard_lib.Shard(directory, entry, manifest["dtype"])
+            try:
+                shard.check()
+            except shard_lib.ShardError as e:
+                raise DataError(str(e)) from None
+            if entry["tokens"] and entry["highest"] >= vocab_size:
+                raise DataError(f"shard {shard.path!r} holds id {entry['highest']}, outside vocab_size={vocab_size}; "
+                                "raise model.vocab_size to the tokenizer's (or 0: from the tokenizer)")
+            by_source.setdefault(entry.get("source", ""), []).append(shard)
+    if len(set(hashes.values())) > 1:
+        raise DataError(f"the shard directories {sorted(hashes)} were tokenized by different tokenizers; "
+                        "prepare them with one tokenizer")
+    for name, shards in by_source.items():
+        if not sum(s.n_tokens for s in shards):
+            raise DataError(f"source {name!r} of {paths} has no tokens; drop it from the inputs or the mixture")
+
+    def split(shards):
+        whole = shard_lib.ShardStream(shards)
+        cut = _tail_cut(len(whole), whole.first_start_at_or_after, eval_fraction)
+        train = shard_lib.ShardStream(shards, 0, cut)
+        return train, (shard_lib.ShardStream(shards, cut, len(whole)) if cut < len(whole) else None)
+
+    if not mixture:
+        return split([s for shards in by_source.values() for s in shards])
+    unknown = sorted(set(mixture) - set(by_source))
+    if unknown:
+        raise DataError(f"mixture source {unknown[0]!r} is not in {paths} (its sources: "
+                        f"{', '.join(sorted(by_source))}); name sources as launch/prepare_data.py --inputs NAME=GLOB did")
+    names = tuple(n for n in mixture if mixture[n] > 0)
+    total = sum(mixture[n] for n in names)
+    weights = tuple(mixture[n] / total for n in names)
+    parts = [split(by_source[n]) for n in names]
+    return tuple(Mixture(names, weights, tuple(p[i] for p in parts)) for i in range(2))
 
 
 def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size: int, seed: int,
                  vocab_size: int, eval_fraction: float = 0.05, eos_id: int | None = None,
-                 max_bytes: int = 64 << 20, sampler: str = "random") -> Dataset:
+                 max_bytes: int = 64 << 20, sampler: str = "random", mixture: str = "",
+                 tokenizer_hash: str | None = None) -> Dataset:
     """Loads ``source`` ('synthetic', 'text' or 'tokens'; see the module doc) and returns a Dataset.
+
+    For 'tokens', ``path`` is a token file or one or more shard directories (comma-separated) that
+    ``launch/prepare_data.py`` wrote; ``mixture`` (``"web=0.7,code=0.3"``) then draws rows from their sources by
+    weight, and ``tokenizer_hash`` (the run's tokenizer) must be the one the shards were made with.
 
     ``eos_id`` is required for 'tokens'; for 'synthetic' and 'text' it is optional and, when given, appended
     to every document. 'text' reads at most ``max_bytes`` bytes of files. ``sampler``: 'random' draws each
@@ -366,16 +550,31 @@ def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size
         docs = _text(path, eval_fraction, max_bytes)
         dtype = np.uint8 if eos_id is None else np.int32
     elif source == "tokens":
-        streams = _token_streams(path, vocab_size, eval_fraction, eos_id)
+        dirs = [p.strip() for p in str(path).split(",") if p.strip()]
+        weights = parse_mixture(mixture)
+        if dirs and all(os.path.isdir(d) for d in dirs):
+            streams = _shard_streams(dirs, vocab_size, eval_fraction, eos_id, tokenizer_hash, weights)
+        elif weights or len(dirs) > 1:
+            raise DataError(f"path={path!r}: a mixture and several paths need shard directories "
+                            "(launch/prepare_data.py); a token file is one source")
+        else:
+            streams = _token_streams(path, vocab_size, eval_fraction, eos_id)
     else:
         raise DataError(f"source={source!r} is unknown; use 'synthetic', 'text' or 'tokens'")
     if source != "tokens":
+        if mixture:
+            raise DataError(f"mixture={mixture!r} needs source='tokens' and shard directories (launch/prepare_data.py)")
         streams = tuple(_concat(d, eos_id, dtype) if d else None for d in docs)
-    if streams[0] is None or len(streams[0].tokens) == 0:
+    if isinstance(streams[0], Mixture):
+        for name, stream in zip(streams[0].names, streams[0].streams):
+            if stream is None or len(stream) < seq_len + 1:
+                raise DataError(f"mixture source {name!r} has {0 if stream is None else len(stream)} training tokens, "
+                                f"fewer than seq_len + 1 = {seq_len + 1}; lower seq_len or add documents")
+    elif streams[0] is None or len(streams[0]) == 0:
         raise DataError(f"source={source!r} path={path!r} has no training documents; "
                         "point path at a non-empty corpus or lower eval_fraction")
-    if len(streams[0].tokens) < seq_len + 1:  # every row would be mostly padding: a loss of nothing
-        raise DataError(f"source={source!r} path={path!r} has {len(streams[0].tokens)} training tokens, fewer than "
+    if len(streams[0]) < seq_len + 1:  # every row would be mostly padding: a loss of nothing
+        raise DataError(f"source={source!r} path={path!r} has {len(streams[0])} training tokens, fewer than "
                         f"seq_len + 1 = {seq_len + 1}; lower seq_len or add documents")
     return Dataset(source, seq_len, global_batch_size, vocab_size, seed, dict(zip(SPLITS, streams)), sampler)
 

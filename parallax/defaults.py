@@ -41,8 +41,11 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         muon_beta=0.95, muon_nesterov=True, muon_ns_steps=5, muon_scale="rms", muon_rms=0.2, muon_exclude="vocab",
         grad_delay=0, delay_correction="none"))
     c.pipeline = ml_collections.ConfigDict(dict(schedule="1f1b", microbatches=4, virtual_stages=1, remat=False))
+    # tokenizer: '' (the corpus's: bytes for text, a shard directory's own) or what parallax.tokenizer.load
+    # reads; eos_id -1 and model.vocab_size 0 take the tokenizer's. mixture: 'NAME=WEIGHT,...' over the
+    # sources of shard directories (path may list several, comma-separated).
     c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1,
-                                             sampler="random"))
+                                             sampler="random", tokenizer="", mixture=""))
     # Multi-process runs (parallax/distributed.py): an explicit coordinator (HOST:PORT of process 0, with
     # num_processes and this process's process_id), else detect=auto finds Slurm / multi-host TPU jobs (jax:
     # always ask JAX's cluster detection; off: never). A peer silent for heartbeat_timeout_s fails the others.

@@ -340,6 +340,20 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
     return names + ["config.json"]
 
 
+def export_tokenizer(kept: str, out_dir: str) -> list[str]:
+    """Copies a run's tokenizer files (`WORKDIR/tokenizer`, see `parallax.tokenizer`) into an HF directory;
+    nothing for a byte-level run (HF has no byte tokenizer file) or a run without one."""
+    import shutil
+
+    from parallax import tokenizer as tok_lib
+
+    meta = tok_lib.read_meta(kept)
+    names = [] if meta is None or meta["kind"] == "bytes" else list(meta["files"])
+    for name in names:
+        shutil.copyfile(os.path.join(kept, name), os.path.join(out_dir, name))
+    return names
+
+
 # --- whole workdirs ------------------------------------------------------------------------------------
 
 def import_config(ckpt: Checkpoint, base_path: str | None, overrides) -> object:
@@ -378,6 +392,12 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
     workdir = epath.Path(workdir)
     if (workdir / "checkpoints").exists() or (workdir / "config.json").exists():
         raise ConfigError(f"--workdir={workdir}: already holds a run; import into a new --workdir")
+    from parallax import tokenizer as tok_lib
+
+    tok = tok_lib.load(hf_dir) if tok_lib.has_files(hf_dir) else None
+    if tok is not None and tok.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"--hf_dir={hf_dir}: its tokenizer emits ids up to {tok.vocab_size - 1}, past the model's "
+                          f"vocab_size={config.model.vocab_size}; is the tokenizer from another model?")
     trainer = Trainer(config, devices)
     params = load_params(ckpt, trainer.plan.model_config, trainer.param_shardings, on_read)
     opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.state_shardings["opt_state"])(params)
@@ -389,12 +409,15 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        if tok is not None:  # the run's tokenizer: sample.py encodes and decodes with it, export writes it back
+            tok.copy_to(str(workdir / "tokenizer"))
     t = config.train
     checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", t.checkpoint_every, t.keep_checkpoints,
                                          async_save=False)
     checkpointer.maybe_save(0, state, force=True)
     checkpointer.close()
-    log(f"imported {hf_dir} ({ckpt.name}, {trainer.num_params / 1e6:.2f}M params) into {workdir} at step 0; "
+    log(f"imported {hf_dir} ({ckpt.name}, {trainer.num_params / 1e6:.2f}M params"
+        f"{', ' + tok.describe() if tok is not None else ', no tokenizer'}) into {workdir} at step 0; "
         f"train with: python launch/train.py --config={workdir}/config.json --workdir={workdir}")
     return state
 
@@ -428,5 +451,6 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
     params = checkpointer.restore(trainer.abstract_state(), step)["params"]
     checkpointer.close()
     names = export_params(params, trainer.plan.model_config, out_dir, dtype, max_shard_bytes)
+    names += export_tokenizer(str(epath.Path(workdir) / "tokenizer"), out_dir)
     log(f"exported step {step} of {workdir} ({config.model.name}) to {out_dir}: {', '.join(names)}")
     return names

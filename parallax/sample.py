@@ -41,7 +41,8 @@ def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int
 
 
 def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperature: float = 0.8) -> str:
-    """Restores the latest checkpoint of `workdir` onto one device and continues `prompt` (bytes)."""
+    """Restores the latest checkpoint of `workdir` onto one device and continues `prompt`, encoded and the
+    sample decoded by the run's tokenizer (`WORKDIR/tokenizer`; token ids for an id-only corpus)."""
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
@@ -62,10 +63,28 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train first (make train)")
     params = checkpointer.restore(trainer.abstract_state(), step)["params"]
     checkpointer.close()
-    data = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size
+    tok = workdir_tokenizer(workdir, config)
+    if tok is not None:
+        data = np.asarray(tok.prompt(prompt), np.int32)
+    else:  # an id-only corpus: the prompt's bytes, as ids
+        data = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size
     tokens = generate(trainer.graphdef, params, data, num_tokens or config.train.sample_tokens,
                       config.train.seq_len, temperature=temperature, par=trainer.plan.parallelism)
-    if config.data.source == "text":
-        text = bytes(int(t) for t in tokens if t < 256).decode("utf-8", errors="replace")
-        return f"step {step} sample:\n{prompt}{text}"
+    if tok is not None:
+        return f"step {step} sample:\n{prompt}{tok.decode(tokens.tolist())}"
     return f"step {step} sample (token ids): {' '.join(map(str, tokens.tolist()))}"
+
+
+def workdir_tokenizer(workdir: str, config):
+    """The tokenizer a run keeps in `WORKDIR/tokenizer` (bytes for a byte-level run written before runs kept
+    one), or None for an id-only corpus."""
+    import os
+
+    from parallax import tokenizer as tok_lib
+
+    kept = os.path.join(str(workdir), "tokenizer")
+    if tok_lib.read_meta(kept) is not None:
+        return tok_lib.load(kept)
+    if config.data.source == "text":
+        return tok_lib.ByteTokenizer(None if config.data.eos_id < 0 else int(config.data.eos_id))
+    return None

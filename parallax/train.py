@@ -9,8 +9,11 @@ writes a `jax.profiler` trace of steps a..b to `profile/` (TensorBoard's profile
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import math
+import os
 import signal
 import time
 
@@ -22,6 +25,7 @@ from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
 from parallax import paths
+from parallax import tokenizer as tok_lib
 from parallax.defaults import load_saved_config
 from parallax.errors import ConfigError
 from parallax.summary import TensorBoardWriter
@@ -42,37 +46,96 @@ class TrainResult:
     preempted: bool = False
 
 
-def make_dataset(config) -> data_lib.Dataset:
+def _shard_dirs(config) -> list[str]:
+    d = config.data
+    dirs = [p.strip() for p in str(d.path).split(",") if p.strip()]
+    return dirs if d.source == "tokens" and dirs and all(os.path.isdir(p) for p in dirs) else []
+
+
+def run_tokenizer(config):
+    """The run's tokenizer (`parallax.tokenizer`), or None for id-only corpora (synthetic, a raw token file
+    without `data.tokenizer`): `data.tokenizer` if set, else a shard directory's own copy, else bytes for
+    `text`."""
+    d = config.data
+    spec = str(d.tokenizer)
+    if d.source == "synthetic":
+        if spec:
+            raise ConfigError(f"config.data.tokenizer={spec!r}: source='synthetic' makes token ids, not text; "
+                              "drop the tokenizer, or train on text (source='text' or 'tokens')")
+        return None
+    if d.source == "text":
+        if spec not in ("", "bytes"):
+            raise ConfigError(f"config.data.tokenizer={spec!r}: source='text' trains on bytes; to train with this "
+                              "tokenizer, prepare the files into shards (launch/prepare_data.py --tokenizer=...) and "
+                              "set source='tokens', path=THAT_DIR")
+        return tok_lib.ByteTokenizer(None if d.eos_id < 0 else int(d.eos_id))
+    dirs = _shard_dirs(config)
+    if not spec and dirs:
+        spec = os.path.join(dirs[0], "tokenizer")
+    return tok_lib.load(spec, None if d.eos_id < 0 else int(d.eos_id)) if spec else None
+
+
+def resolve_data(config):
+    """`config` with the keys the tokenizer decides filled in: `data.eos_id` (from -1) and `model.vocab_size`
+    (from 0: the tokenizer's ids rounded up to a multiple of 128 and of mesh.tensor); a value that disagrees
+    with the tokenizer is a one-line ConfigError. Returns (config, tokenizer or None); `config` is a copy."""
+    config = copy.deepcopy(config)
+    tok = run_tokenizer(config)
+    d, m = config.data, config.model
+    if tok is None:
+        if int(m.vocab_size) == 0:
+            raise ConfigError("config.model.vocab_size=0 (from the tokenizer), but this corpus has none; set "
+                              "data.tokenizer or model.vocab_size")
+        return config, None
+    if tok.eos_id is not None:
+        if d.eos_id < 0:
+            d.eos_id = tok.eos_id
+        elif int(d.eos_id) != tok.eos_id:
+            raise ConfigError(f"config.data.eos_id={d.eos_id}: the tokenizer's eos is {tok.eos_id}; drop the "
+                              "override (-1 takes the tokenizer's)")
+    multiple = math.lcm(128, max(1, int(config.mesh.tensor)))
+    if int(m.vocab_size) == 0:
+        m.vocab_size = tok_lib.padded_vocab(tok.vocab_size, multiple)
+    elif int(m.vocab_size) < tok.vocab_size:
+        raise ConfigError(f"config.model.vocab_size={m.vocab_size}: the tokenizer ({tok.describe()}) emits ids up "
+                          f"to {tok.vocab_size - 1}; set model.vocab_size="
+                          f"{tok_lib.padded_vocab(tok.vocab_size, multiple)} (or 0: from the tokenizer)")
+    return config, tok
+
+
+def make_dataset(config, tokenizer=None) -> data_lib.Dataset:
     d, t = config.data, config.train
     try:
         dataset = data_lib.make_dataset(
             d.source, d.path, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=t.seed,
             vocab_size=config.model.vocab_size, eval_fraction=d.eval_fraction,
-            eos_id=None if d.eos_id < 0 else d.eos_id, sampler=d.sampler)
+            eos_id=None if d.eos_id < 0 else d.eos_id, sampler=d.sampler, mixture=d.mixture,
+            tokenizer_hash=tokenizer.hash if tokenizer is not None and _shard_dirs(config) else None)
     except data_lib.DataError as e:
         raise ConfigError(f"config.data: {e}") from None
     if t.eval_every and dataset.streams["eval"] is None:
         raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: the corpus at {d.path or 'the default'} "
                           f"has no eval documents; raise eval_fraction or set train.eval_every=0")
-    if t.eval_every and len(dataset.streams["eval"].tokens) < t.seq_len + 1:  # eval would be mostly padding
+    if t.eval_every and len(dataset.streams["eval"]) < t.seq_len + 1:  # eval would be mostly padding
         raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: the corpus at {d.path or 'the default'} "
-                          f"has {len(dataset.streams['eval'].tokens)} eval tokens, fewer than train.seq_len + 1 = "
+                          f"has {len(dataset.streams['eval'])} eval tokens, fewer than train.seq_len + 1 = "
                           f"{t.seq_len + 1}; raise eval_fraction, lower seq_len or set train.eval_every=0")
     return dataset
 
 
-def evaluate(trainer: Trainer, params, dataset, num_batches: int) -> float:
-    """Mean token loss over the first `num_batches` batches of the eval split."""
+def evaluate(trainer: Trainer, params, dataset, num_batches: int, source: str | None = None) -> float:
+    """Mean token loss over the first `num_batches` batches of the eval split (of one mixture `source`)."""
     total = np.zeros(2)
     for i in range(num_batches):
-        batch = trainer.device_batch(dataset.batch(i, "eval", rows=trainer.host_rows()))
+        batch = trainer.device_batch(dataset.batch(i, "eval", rows=trainer.host_rows(), source=source))
         total += np.asarray(trainer.eval_step(params, batch))
     return float(total[0] / max(total[1], 1.0))
 
 
 _MUST_MATCH_ON_RESUME = ("model", "data", "optim", "train.seed", "train.global_batch_size", "train.seq_len")
 # Memory knobs that do not change the math (blockwise attention and the chunked loss are exact).
-_MAY_CHANGE_ON_RESUME = ("model.attention_block", "model.loss_chunk")
+_MAY_CHANGE_ON_RESUME = ("model.attention_block", "model.loss_chunk",
+                         "data.tokenizer")  # where it lives may change; what it is (its hash) may not: _start
 
 
 def _flatten(d, prefix=""):
@@ -137,8 +200,9 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
     SIGTERM every host saves the same step and returns with `preempted=True`; rerunning the same command
     continues exactly.
     """
+    config, tokenizer = resolve_data(config)
     trainer = Trainer(config, devices)
-    dataset = make_dataset(config)
+    dataset = make_dataset(config, tokenizer)
     t = config.train
     lead = jax.process_index() == 0
     log = log if lead else (lambda *_: None)
@@ -150,7 +214,7 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
     tensorboard, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
     close = True
     try:
-        state = _start(trainer, dataset, checkpointer, workdir, lead, log)
+        state = _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer)
         if lead:
             tensorboard = TensorBoardWriter(workdir / "tb", int(state["step"]))
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
@@ -191,13 +255,19 @@ class _Profiler:
             jax.profiler.stop_trace()
 
 
-def _start(trainer, dataset, checkpointer, workdir, lead, log):
+def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
     """The state to train from: restored from the latest checkpoint (after checking that the config
     continues the same run), or freshly initialised (writing `config.json`). A workdir that cannot be resumed
     (checkpoints without config.json, an unreadable checkpoint) is a ConfigError before anything is written."""
     config = trainer.config
     start = checkpointer.latest_step()
     config_path = workdir / "config.json"
+    kept = tok_lib.read_meta(str(workdir / "tokenizer"))
+    if start is not None and tokenizer is not None and kept is not None and kept["hash"] != tokenizer.hash:
+        raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: {tokenizer.describe()} is not the "
+                          f"tokenizer this run was trained with ({kept['kind']}, hash {kept['hash'][:12]}, kept in "
+                          f"{workdir / 'tokenizer'}); train with data.tokenizer={workdir / 'tokenizer'} on a corpus "
+                          "it tokenized, or use a new --workdir")
     if start is not None:
         if not config_path.exists():
             raise ConfigError(f"--workdir={workdir}: has checkpoints (latest step {start}) but no config.json, so "
@@ -214,6 +284,8 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log):
         workdir.mkdir(parents=True, exist_ok=True)
         if start is None:
             config_path.write_text(config.to_json_best_effort(indent=2))
+        if tokenizer is not None and kept is None:  # the run's copy: sampling and export read it
+            tokenizer.copy_to(str(workdir / "tokenizer"))
     log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {config.model.name} "
         f"{trainer.num_params / 1e6:.2f}M params; {dataset.describe()}")
     log(f"throughput: {throughput(trainer.plan, trainer.mesh).describe()}")
@@ -283,6 +355,8 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
             record["includes_compile"] = True
         if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):
             eval_loss = record["eval_loss"] = evaluate(trainer, state["params"], dataset, t.eval_batches)
+            for source in dataset.mixture_sources:  # a mixture: each source's own eval split too
+                record[f"eval_loss/{source}"] = evaluate(trainer, state["params"], dataset, t.eval_batches, source)
             last = time.perf_counter()  # eval time is not step time
         if step % t.log_every == 0 or step == t.steps or "eval_loss" in record:
             history.append(record)

@@ -1,0 +1,198 @@
+"""The shard directory: a tokenized corpus as many files, what `launch/prepare_data.py` writes and
+`data.source=tokens` with `data.path=DIR` trains on.
+
+    DIR/manifest.json          format, tokenizer (kind, hash, ids), dtype, sources, and per shard: name,
+                               source, tokens, documents, smallest / largest id, SHA-256 of its tokens
+    DIR/tokenizer/             a copy of the tokenizer (`parallax.tokenizer`), so the corpus decodes alone
+    DIR/NAME.uint16.bin        the shard's documents, concatenated (uint32 when the vocabulary needs it);
+                               each document ends with the eos id (and starts with bos if the tokenizer adds it)
+    DIR/NAME.docs.npy          int64: the offset where each of the shard's documents starts (docs[0] == 0)
+
+A shard holds whole documents, so every shard starts a document. A shard is committed by renaming its
+`.docs.npy` into place after its `.bin` (each written to a temporary name first): a reader never sees a
+half-written shard, and a restarted preparation redoes only shards without a committed `.docs.npy`. The
+manifest is written last: a directory without one is a preparation that has not finished.
+
+Reading is lazy: opening a directory reads the manifest and stats each shard file (sizes checked against
+the manifest), nothing else; a shard's tokens (memory-mapped) and its document index are read when a row
+first touches it. So the start-up time does not grow with the corpus, only (by a stat) with the number of
+shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+
+import numpy as np
+
+FORMAT = "parallax-shards/1"
+MANIFEST = "manifest.json"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+class ShardError(ValueError):
+    """A shard directory that cannot be read as one; the message names the file and the fix."""
+
+
+def dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def token_file(name: str, dtype: str) -> str:
+    return f"{name}.{dtype}.bin"
+
+
+def docs_file(name: str) -> str:
+    return f"{name}.docs.npy"
+
+
+def write_shard(directory: str, name: str, documents: list, dtype: str) -> dict:
+    """Writes one shard of `documents` (1-D arrays or lists of ids) and returns its manifest entry (without `source`).
+    The tokens go first and the document index last, each through a temporary file and a rename."""
+    lengths = np.fromiter((len(d) for d in documents), np.int64, len(documents))
+    tokens = np.concatenate([np.asarray(d, DTYPES[dtype]) for d in documents]) if documents else \
+        np.zeros(0, DTYPES[dtype])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(documents) else \
+        np.zeros(0, np.int64)
+    path = os.path.join(directory, token_file(name, dtype))
+    with open(path + ".tmp", "wb") as f:
+        f.write(tokens.tobytes())
+    os.replace(path + ".tmp", path)
+    index = os.path.join(directory, docs_file(name))
+    with open(index + ".tmp", "wb") as f:
+        np.save(f, starts)
+    os.replace(index + ".tmp", index)  # the commit: the shard exists from here on
+    return {"name": name, "tokens": int(len(tokens)), "documents": int(len(documents)),
+            "lowest": int(tokens.min()) if len(tokens) else 0, "highest": int(tokens.max()) if len(tokens) else 0,
+            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+
+
+def committed(directory: str, name: str, dtype: str) -> bool:
+    return os.path.isfile(os.path.join(directory, docs_file(name))) and \
+        os.path.isfile(os.path.join(directory, token_file(name, dtype)))
+
+
+def shard_entry(directory: str, name: str, dtype: str) -> dict:
+    """The manifest entry of a committed shard, read back from its files (a restarted preparation)."""
+    tokens = np.fromfile(os.path.join(directory, token_file(name, dtype)), DTYPES[dtype])
+    starts = np.load(os.path.join(directory, docs_file(name)))
+    return {"name": name, "tokens": int(len(tokens)), "documents": int(len(starts)),
+            "lowest": int(tokens.min()) if len(tokens) else 0, "highest": int(tokens.max()) if len(tokens) else 0,
+            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+
+
+def read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        raise ShardError(f"{directory!r} is not a directory; pass a directory that launch/prepare_data.py wrote")
+    if not os.path.isfile(path):
+        partial = any(n.endswith(".docs.npy") for n in os.listdir(directory))
+        raise ShardError(f"{directory!r} has no {MANIFEST}: " + (
+            "its preparation did not finish; rerun the same launch/prepare_data.py command to complete it"
+            if partial else "not a shard directory; write one with launch/prepare_data.py"))
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+        manifest["tokenizer"]["hash"], manifest["shards"], DTYPES[manifest["dtype"]]  # noqa: B018 -- present
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ShardError(f"{path}: not a readable shard manifest ({type(e).__name__}: {e}); prepare the "
+                         "directory again with launch/prepare_data.py") from None
+    return manifest
+
+
+class Shard:
+    """One shard: its tokens (memory-mapped) and document starts, read on first use."""
+
+    def __init__(self, directory: str, entry: dict, dtype: str):
+        self.directory, self.name, self.dtype = directory, entry["name"], dtype
+        self.source, self.n_tokens, self.n_docs = entry.get("source", ""), entry["tokens"], entry["documents"]
+        self.path = os.path.join(directory, token_file(self.name, dtype))
+
+    def check(self) -> None:
+        """Present, readable and of the manifest's size: a stat, not a read."""
+        for path in (self.path, os.path.join(self.directory, docs_file(self.name))):
+            if not os.path.isfile(path) or not os.access(path, os.R_OK):
+                raise ShardError(f"shard {path!r} is missing or unreadable; restore it, or prepare "
+                                 f"{self.directory!r} again with launch/prepare_data.py")
+        size = os.path.getsize(self.path)
+        if size != self.n_tokens * DTYPES[self.dtype].itemsize:
+            raise ShardError(f"shard {self.path!r} holds {size} bytes, but the manifest says {self.n_tokens} "
+                             f"{self.dtype} tokens; the file was changed or truncated: prepare the directory again")
+
+    @functools.cached_property
+    def tokens(self) -> np.ndarray:
+        if self.n_tokens == 0:
+            return np.zeros(0, DTYPES[self.dtype])
+        return np.memmap(self.path, dtype=DTYPES[self.dtype], mode="r")
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        path = os.path.join(self.directory, docs_file(self.name))
+        try:
+            starts = np.load(path, mmap_mode="r")
+        except (OSError, ValueError, EOFError) as e:
+            raise ShardError(f"shard index {path!r} is unreadable ({e}); prepare the directory again") from None
+        if len(starts) != self.n_docs:
+            raise ShardError(f"shard index {path!r} lists {len(starts)} documents, the manifest {self.n_docs}; "
+                             "prepare the directory again")
+        return starts
+
+
+class ShardStream:
+    """Global token offsets [lo, hi) of the shards concatenated: the `_Stream` interface of `parallax.data`
+    (`len`, `num_docs`, `window`) without loading the corpus."""
+
+    def __init__(self, shards: list, lo: int = 0, hi: int | None = None):
+        self.shards = shards
+        self.bounds = np.concatenate([[0], np.cumsum([s.n_tokens for s in shards])]).astype(np.int64)
+        self.lo, self.hi = lo, int(self.bounds[-1]) if hi is None else hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def _docs_before(self, g: int) -> int:
+        """Documents starting before global offset g."""
+        k = int(np.searchsorted(self.bounds, g, side="right")) - 1
+        if k >= len(self.shards):
+            return sum(s.n_docs for s in self.shards)
+        done = sum(s.n_docs for s in self.shards[:k])
+        return done + int(np.searchsorted(self.shards[k].starts, g - self.bounds[k], side="left"))
+
+    @property
+    def num_docs(self) -> int:
+        return self._docs_before(self.hi) - self._docs_before(self.lo)
+
+    def first_start_at_or_after(self, g: int) -> int | None:
+        """The global offset of the first document start >= g, or None (no later document)."""
+        k = int(np.searchsorted(self.bounds, g, side="right")) - 1
+        while 0 <= k < len(self.shards):
+            starts = self.shards[k].starts
+            i = int(np.searchsorted(starts, g - self.bounds[k], side="left"))
+            if i < len(starts):
+                return int(self.bounds[k] + starts[i])
+            k += 1
+        return None
+
+    def window(self, offset: int, n: int):
+        """Tokens [offset, offset + n) of this stream (fewer at its end) and the document starts inside
+        them, relative to `offset`, with 0 first (the document the window begins in)."""
+        g0, g1 = self.lo + offset, min(self.lo + offset + n, self.hi)
+        pieces, starts = [], [np.zeros(1, np.int64)]
+        k = int(np.searchsorted(self.bounds, g0, side="right")) - 1
+        while g0 < g1:
+            shard, base = self.shards[k], int(self.bounds[k])
+            a, b = g0 - base, min(g1, int(self.bounds[k + 1])) - base
+            if b > a:
+                pieces.append(np.asarray(shard.tokens[a:b]))
+                s = shard.starts
+                i0, i1 = np.searchsorted(s, [a, b], side="left")
+                inner = np.asarray(s[i0:i1], np.int64) + base - (self.lo + offset)
+                starts.append(inner[inner > 0])
+            g0, k = base + b, k + 1
+        tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+        return tokens, np.concatenate(starts)

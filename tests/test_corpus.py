@@ -1,0 +1,303 @@
+"""Real text in: tokenizers (`parallax/tokenizer.py`), corpus preparation (`parallax/prepare.py`), shard
+directories (`parallax/shards.py`) and mixtures (`parallax/data.py`), up to a run that trains on them."""
+
+import glob
+import hashlib
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallax import data as data_lib
+from parallax import prepare as prep
+from parallax import shards as shard_lib
+from parallax import tokenizer as tok_lib
+from parallax.errors import ConfigError
+from helpers import ROOT, read_metrics, run_launcher, tiny_config
+
+STDLIB = os.path.dirname(os.__file__)
+
+
+def _digests(directory):
+    """name -> SHA-256 of every file of a shard directory but the plan (which names the inputs' mtimes)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "**", "*"), recursive=True)):
+        if os.path.isfile(path) and not path.endswith(prep.PLAN):
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Inputs of every kind (source files, jsonl, parquet, a datasets directory) and a BPE trained on them."""
+    root = tmp_path_factory.mktemp("corpus")
+    code = sorted(glob.glob(os.path.join(STDLIB, "json", "*.py")))
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "tokens", "shard", "é", "日本", "\n"]
+    texts = [" ".join(rng.choice(words, int(rng.integers(1, 60)))) for _ in range(400)]
+    with open(root / "docs.jsonl", "w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
+            if i % 50 == 0:
+                f.write("\n")  # blank lines are skipped
+    inputs = [f"code={STDLIB}/json/*.py", f"docs={root}/docs.jsonl"]
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": texts[:150]}), root / "part.parquet", row_group_size=40)
+    inputs.append(f"pq={root}/part.parquet")
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": texts[150:300]}).save_to_disk(str(root / "ds"))
+    inputs.append(f"hf={root}/ds")
+    tok = tok_lib.train_bpe(prep.iter_texts(inputs), 512, str(root / "bpe"), show_progress=False)
+    return {"root": root, "inputs": inputs, "texts": texts, "code": code, "tok": tok}
+
+
+def _decoded_documents(directory, source):
+    manifest = shard_lib.read_manifest(directory)
+    tok = tok_lib.load(os.path.join(directory, "tokenizer"))
+    out = []
+    for entry in manifest["shards"]:
+        if entry["source"] == source:
+            shard = shard_lib.Shard(directory, entry, manifest["dtype"])
+            bounds = list(shard.starts) + [shard.n_tokens]
+            for a, b in zip(bounds, bounds[1:]):
+                ids = np.asarray(shard.tokens[a:b])
+                assert ids[-1] == tok.eos_id and tok.eos_id not in ids[:-1]
+                out.append(tok.decode(ids[:-1]))
+    return out
+
+
+def test_prepare_reads_every_kind_deterministically_with_any_workers_and_restarts(corpus, tmp_path):
+    inputs, bpe = corpus["inputs"], str(corpus["root"] / "bpe")
+    one = str(tmp_path / "one")
+    manifest = prep.prepare(inputs, one, bpe, shard_mb=0.004, progress=False, log=lambda *_: None)
+    assert set(manifest["sources"]) == {"code", "docs", "pq", "hf"}
+    assert manifest["sources"]["docs"]["shards"] > 1 and manifest["sources"]["pq"]["shards"] == 4  # 40-row groups
+    texts = corpus["texts"]
+    assert _decoded_documents(one, "docs") == texts  # every line, in order, decoded back exactly
+    assert _decoded_documents(one, "pq") == texts[:150]
+    assert _decoded_documents(one, "hf") == texts[150:300]
+    assert _decoded_documents(one, "code") == [open(p).read() for p in corpus["code"] if os.path.getsize(p)]
+    assert manifest["tokenizer"]["hash"] == corpus["tok"].hash
+    two = str(tmp_path / "two")
+    prep.prepare(inputs, two, bpe, workers=2, shard_mb=0.004, progress=False, log=lambda *_: None)
+    assert _digests(one) == _digests(two)  # the same bytes with 2 worker processes
+
+    # A killed run: the manifest not yet written, the last shards uncommitted, a temporary left behind.
+    before = _digests(one)
+    os.remove(os.path.join(one, shard_lib.MANIFEST))
+    last = manifest["shards"][-1]["name"]
+    os.remove(os.path.join(one, shard_lib.docs_file(last)))
+    with open(os.path.join(one, shard_lib.token_file(last, "uint16") + ".tmp"), "wb") as f:
+        f.write(b"torn")
+    with pytest.raises(data_lib.DataError, match="did not finish; rerun the same launch/prepare_data.py"):
+        data_lib.make_dataset("tokens", one, seq_len=16, global_batch_size=2, seed=0, vocab_size=512)
+    logs = []
+    prep.prepare(inputs, one, bpe, shard_mb=0.004, progress=False, log=logs.append)
+    assert f"{len(manifest['shards']) - 1} of {len(manifest['shards'])} shards already done" in logs[0]
+    assert _digests(one) == before
+
+    with pytest.raises(ConfigError, match="was prepared from other inputs or settings"):
+        prep.prepare(inputs[:1], one, bpe, progress=False, log=lambda *_: None)
+
+
+def _shard_dir(path, docs, shard_of, eos, vocab=300):
+    """A shard directory of `docs` (arrays, eos appended), document i in shard shard_of[i]."""
+    os.makedirs(path)
+    tok = tok_lib.ByteTokenizer(eos)
+    entries = []
+    for k in range(max(shard_of) + 1):
+        mine = [np.append(d, eos) for d, s in zip(docs, shard_of) if s == k]
+        entries.append(shard_lib.write_shard(path, f"main-{k:05d}", mine, "uint16") | {"source": "main"})
+    tok.copy_to(os.path.join(path, "tokenizer"))
+    with open(os.path.join(path, shard_lib.MANIFEST), "w") as f:
+        json.dump(prep._manifest(tok, "uint16", [("main", "-")], entries), f)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30), cuts=st.lists(st.booleans(), max_size=30),
+       seq_len=st.sampled_from([3, 8, 17]), sampler=st.sampled_from(["random", "epoch"]),
+       eval_fraction=st.sampled_from([0.0, 0.2]))
+def test_a_shard_directory_reads_as_the_token_file_of_the_same_documents(tmp_path_factory, lengths, cuts, seq_len,
+                                                                         sampler, eval_fraction):
+    """Rows that start mid-document, cross shard boundaries, hold several documents, or run past the end:
+    every batch of every split equals the single-file corpus's, key for key."""
+    path = tmp_path_factory.mktemp("prop")
+    rng = np.random.default_rng(len(lengths))
+    docs = [rng.integers(0, 256, n) for n in lengths]
+    shard_of = np.cumsum([0] + [int(c) for c in cuts[: len(docs) - 1]]).tolist()
+    shard_of += [shard_of[-1]] * (len(docs) - len(shard_of))
+    _shard_dir(str(path / "shards"), docs, shard_of, eos=256)
+    np.save(path / "all.npy", np.concatenate([np.append(d, 256) for d in docs]).astype(np.int32))
+    kw = dict(seq_len=seq_len, global_batch_size=4, seed=3, vocab_size=300, eos_id=256, sampler=sampler,
+              eval_fraction=eval_fraction)
+    total = sum(lengths) + len(lengths)
+    if total < seq_len + 1:
+        with pytest.raises(data_lib.DataError):
+            data_lib.make_dataset("tokens", str(path / "shards"), **kw)
+        return
+    try:
+        single = data_lib.make_dataset("tokens", str(path / "all.npy"), **kw)
+    except data_lib.DataError as e:
+        with pytest.raises(data_lib.DataError, match=str(e).split(" has ")[-1][:20]):
+            data_lib.make_dataset("tokens", str(path / "shards"), **kw)
+        return
+    sharded = data_lib.make_dataset("tokens", str(path / "shards"), **kw)
+    for split in data_lib.SPLITS:
+        assert (single.streams[split] is None) == (sharded.streams[split] is None)
+        if single.streams[split] is None:
+            continue
+        assert len(single.streams[split]) == len(sharded.streams[split])
+        assert single.streams[split].num_docs == sharded.streams[split].num_docs
+        for step in (0, 1, 5):
+            a, b = single.batch(step, split), sharded.batch(step, split, rows=(0, 4))
+            for key in a:
+                np.testing.assert_array_equal(a[key], b[key], err_msg=f"{split} step {step} {key}")
+
+
+def test_mixture_shares_follow_the_weights_and_per_source_rows_stay_in_their_source(tmp_path):
+    rng = np.random.default_rng(0)
+    os.makedirs(tmp_path / "mix")
+    tok = tok_lib.ByteTokenizer(256)
+    entries = []
+    for k, (name, lo) in enumerate([("web", 0), ("code", 100), ("math", 200)]):
+        docs = [np.append(rng.integers(lo, lo + 50, int(rng.integers(5, 60))), 256) for _ in range(40)]
+        for j in range(2):
+            entries.append(shard_lib.write_shard(str(tmp_path / "mix"), f"{name}-{j:05d}", docs[j::2], "uint16")
+                           | {"source": name})
+    tok.copy_to(str(tmp_path / "mix" / "tokenizer"))
+    with open(tmp_path / "mix" / shard_lib.MANIFEST, "w") as f:
+        json.dump(prep._manifest(tok, "uint16", [("web", "-"), ("code", "-"), ("math", "-")], entries), f)
+    weights = {"web": 0.6, "code": 0.3, "math": 0.1}
+    for sampler in ("random", "epoch"):
+        ds = data_lib.make_dataset("tokens", str(tmp_path / "mix"), seq_len=8, global_batch_size=100, seed=1,
+                                   vocab_size=300, sampler=sampler, mixture="web=6,code=3,math=1")
+        sources = [s for step in range(100) for s in ds.row_sources(step)]
+        for name, w in weights.items():
+            assert abs(sources.count(name) / len(sources) - w) < 0.02, (sampler, name, sources.count(name))
+        batch, rows = ds.batch(7), ds.row_sources(7)
+        for row, name in zip(batch["inputs"], rows):  # each row's tokens come from its source's id range
+            lo = {"web": 0, "code": 100, "math": 200}[name]
+            assert np.all((row == 256) | ((row >= lo) & (row < lo + 50))), (name, row)
+        assert ds.batch(7, rows=(10, 20))["inputs"].tolist() == batch["inputs"][10:20].tolist()
+        ev = ds.batch(0, "eval", source="math")["inputs"]
+        assert np.all((ev == 256) | ((ev >= 200) & (ev < 250)) | (ev == 0))
+        assert ds.mixture_sources == ("web", "code", "math")
+
+
+def test_bad_corpora_and_mixtures_are_one_line_errors_before_anything_is_written(corpus, tmp_path):
+    bpe = str(corpus["root"] / "bpe")
+    out = str(tmp_path / "out")
+
+    def refused(match, *args, **kw):
+        with pytest.raises(ConfigError, match=match) as e:
+            prep.prepare(*args, progress=False, log=lambda *_: None, **kw)
+        assert "\n" not in str(e.value) and not os.path.exists(out), str(e.value)
+
+    refused(r"--inputs web=/nonexistent/\*.jsonl: matches no files", ["web=/nonexistent/*.jsonl"], out, bpe)
+    (tmp_path / "empty.txt").write_text("")
+    refused(r"every file it matches is empty", [f"e={tmp_path}/empty.txt"], out, bpe)
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    refused(r"bad.jsonl:1: no 'text' field \(it has: body\); pass --text_field=NAME", [f"{tmp_path}/bad.jsonl"], out, bpe)
+    refused(r"config.data.tokenizer='/no/tok.json': no such file", [f"{tmp_path}/bad.jsonl"], out, "/no/tok.json")
+
+    good = str(tmp_path / "good")
+    prep.prepare(corpus["inputs"][:2], good, bpe, shard_mb=0.004, progress=False, log=lambda *_: None)
+    kw = dict(seq_len=16, global_batch_size=2, seed=0, vocab_size=512)
+    with pytest.raises(data_lib.DataError, match="cannot read 'code=0.x'; write NAME=WEIGHT pairs"):
+        data_lib.make_dataset("tokens", good, mixture="code=0.x", **kw)
+    with pytest.raises(data_lib.DataError, match="mixture source 'web' is not in .* \\(its sources: code, docs\\)"):
+        data_lib.make_dataset("tokens", good, mixture="web=1", **kw)
+    with pytest.raises(data_lib.DataError, match="was tokenized by another tokenizer"):
+        data_lib.make_dataset("tokens", good, tokenizer_hash=tok_lib.ByteTokenizer(256).hash, **kw)
+    with pytest.raises(data_lib.DataError, match="holds id .*, outside vocab_size=300"):
+        data_lib.make_dataset("tokens", good, **{**kw, "vocab_size": 300})
+    manifest = shard_lib.read_manifest(good)
+    first = os.path.join(good, shard_lib.token_file(manifest["shards"][0]["name"], "uint16"))
+    with open(first, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(data_lib.DataError, match="holds 10 bytes, but the manifest says .* truncated"):
+        data_lib.make_dataset("tokens", good, **kw)
+    os.remove(first)
+    with pytest.raises(data_lib.DataError, match="is missing or unreadable"):
+        data_lib.make_dataset("tokens", good, **kw)
+
+
+def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_copied(corpus, tmp_path):
+    text = "def f(x):\n    return 'é' + x  # 日本"
+    bpe = tok_lib.load(str(corpus["root"] / "bpe" / "tokenizer.json"))
+    assert bpe.decode(bpe.encode(text)) == text and bpe.eos_id == 0 and not bpe.add_bos
+    loaded = [bpe, tok_lib.ByteTokenizer(256)]
+    spm = pytest.importorskip("sentencepiece")
+    with open(tmp_path / "train.txt", "w") as f:
+        f.write("\n".join(open(p).read() for p in corpus["code"]))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=200, minloglevel=2)
+    sp = tok_lib.load(str(tmp_path / "sp.model"))
+    assert sp.kind == "sentencepiece" and sp.add_bos and sp.prompt("alpha")[0] == sp.bos_id
+    assert sp.decode(sp.encode("alpha beta")) == "alpha beta"
+    pytest.importorskip("tiktoken")
+    import base64
+
+    ranks = [bytes([i]) for i in range(256)] + [b"al", b"pha", b"alpha"]
+    (tmp_path / "t.tiktoken").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    tk = tok_lib.load(str(tmp_path / "t.tiktoken"))
+    assert tk.encode("alpha") == [258] and tk.decode(tk.encode(text)) == text
+    assert (tk.bos_id, tk.eos_id, tk.vocab_size) == (259, 260, 259 + tok_lib.TIKTOKEN_SPECIALS)
+    for i, tok in enumerate(loaded + [sp, tk]):
+        tok.copy_to(str(tmp_path / f"copy{i}"))
+        again = tok_lib.load(str(tmp_path / f"copy{i}"))
+        assert (again.kind, again.hash, again.eos_id, again.encode(text)) == (tok.kind, tok.hash, tok.eos_id,
+                                                                             tok.encode(text))
+    assert len({t.hash for t in loaded + [sp, tk]}) == 4
+
+
+@pytest.mark.slow
+def test_bpe_to_shards_to_a_pipelined_run_that_resumes_and_samples_text(tmp_path):
+    """Acceptance: a BPE of 4,096 ids trained on stdlib sources, shards from .py files and a .jsonl, 100 steps on
+    a pipe 2 x data 2 mesh with a mixture, a resume, per-source eval losses, and a sample decoded as text."""
+    from parallax.sample import sample_from_workdir
+    from parallax.train import train_and_evaluate
+
+    records = [{"text": f"Record {i}: the value of x is {i * 7 % 13}."} for i in range(600)]
+    with open(tmp_path / "notes.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    inputs = [f"code={STDLIB}/json/*.py", f"code={STDLIB}/email/*.py", f"notes={tmp_path}/notes.jsonl"]
+    r = run_launcher("train_tokenizer", *[f"--inputs={i}" for i in inputs], "--vocab_size=4096",
+                     f"--output={tmp_path}/bpe", timeout=300)
+    assert r.returncode == 0 and "4096 ids" in r.stdout, r.stderr
+    r = run_launcher("prepare_data", *[f"--inputs={i}" for i in inputs], f"--tokenizer={tmp_path}/bpe",
+                     f"--output={tmp_path}/shards", "--shard_mb=0.1", "--noprogress", timeout=300)
+    assert r.returncode == 0 and "shards (" in r.stdout, r.stderr
+
+    config = tiny_config(pipe=2, data=2)
+    config.model.vocab_size = 0  # from the tokenizer
+    config.data.update(source="tokens", path=f"{tmp_path}/shards", mixture="code=0.7,notes=0.3")
+    config.train.update(steps=60, checkpoint_every=30, eval_every=50, log_every=10, global_batch_size=8)
+    config.optim.update(decay_steps=100, lr=3e-3)
+    work = str(tmp_path / "run")
+    devices = jax.devices()[:4]
+    first = train_and_evaluate(config, work, devices, log=lambda *_: None)
+    assert first.trainer.config.model.vocab_size == 4096 and first.trainer.config.data.eos_id == 0
+    config.train.steps = 100
+    logs = []
+    train_and_evaluate(config, work, devices, log=logs.append)
+    assert any("resumed from" in line for line in logs)
+    metrics = read_metrics(work)
+    assert [m["step"] for m in metrics][-1] == 100 and metrics[-1]["loss"] < metrics[0]["loss"]
+    assert {"eval_loss", "eval_loss/code", "eval_loss/notes"} <= set(metrics[-1])
+    assert tok_lib.read_meta(os.path.join(work, "tokenizer"))["hash"] == tok_lib.load(f"{tmp_path}/bpe").hash
+    sample = sample_from_workdir(work, "Record 1", num_tokens=20, temperature=0)
+    assert sample.startswith("step 100 sample:\nRecord 1") and "token ids" not in sample, sample
+
+    # The corpus prepared again in place with another tokenizer: resuming on it is refused.
+    prep.prepare(inputs, f"{tmp_path}/shards", "bytes", overwrite=True, progress=False, log=lambda *_: None)
+    config.model.vocab_size = 4096
+    with pytest.raises(ConfigError, match="not the tokenizer this run was trained with"):
+        train_and_evaluate(config, work, devices, log=lambda *_: None)
