@@ -2,6 +2,7 @@
 
     python launch/bench.py --cpu_devices=8 [--part=all|mesh|pipeline] [--steps=5]
     python launch/bench.py --cpu_devices=64 --part=muon   # Newton-Schulz on the 8B / 70B shapes (compile only)
+    python launch/bench.py --part=data [--data_gb=1] [--data_dir=/tmp/parallax_bench_data]   # prepare_data
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
 the memory figures are XLA's own (`compiled.memory_analysis()`, per device); the Muon figures are XLA's
@@ -16,7 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
-flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon"], "Which benchmark to run (all: mesh + pipeline).")
+flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data"],
+                  "Which benchmark to run (all: mesh + pipeline).")
+flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
+flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step).")
 FLAGS = flags.FLAGS
 
@@ -188,7 +192,154 @@ def bench_muon():
                   f"{moved / 2**30:.1f} GiB |", flush=True)
 
 
+def _generate_jsonl(path, gigabytes):
+    """Deterministic English-like documents (a Zipf draw over 8,000 made-up words), one JSON line each."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    vocab = ["".join(rng.choice(letters, int(rng.integers(1, 10)), p=None)) for _ in range(8000)]
+    rank = np.arange(1, len(vocab) + 1)
+    p = (1.0 / rank) / (1.0 / rank).sum()
+    target, written = int(gigabytes * 2**30), 0
+    with open(path + ".tmp", "w") as f:
+        while written < target:
+            lengths = rng.integers(50, 1500, 256)
+            words = rng.choice(len(vocab), int(lengths.sum()), p=p)
+            at = 0
+            for n in lengths:
+                line = json.dumps({"text": " ".join(vocab[w] for w in words[at:at + n]) + "."}) + "\n"
+                at += n
+                f.write(line)
+                written += len(line)
+    os.replace(path + ".tmp", path)
+
+
+def _measured(command, **kw):
+    """(seconds, peak RSS MiB of the largest process, stdout) of a command run in a fresh process."""
+    import resource
+    import subprocess
+    import time
+
+    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); r = subprocess.run(sys.argv[1:]); "
+             "print(f'BENCH {time.perf_counter() - t} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}'); "
+             "sys.exit(r.returncode)")
+    out = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, **kw)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    _, seconds, rss = out.stdout.strip().splitlines()[-1].split()
+    del resource
+    return float(seconds), int(rss) / 1024, out.stdout
+
+
+def bench_data(gigabytes, scratch):
+    """launch/prepare_data.py on generated jsonl: tokens/s and peak RSS with 1 and 2 worker processes, a
+    SIGKILL mid-run and a restart (hashes compared), then first-batch latency and RSS of a 100-shard directory
+    against one token file of the same tokens."""
+    import glob
+    import hashlib
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import numpy as np
+
+    from parallax import shards as shard_lib
+    from parallax.prepare import iter_texts
+    from parallax.tokenizer import train_bpe
+
+    os.makedirs(scratch, exist_ok=True)
+    corpus = os.path.join(scratch, f"corpus-{gigabytes:g}gb.jsonl")
+    if not os.path.exists(corpus):
+        t = time.perf_counter()
+        _generate_jsonl(corpus, gigabytes)
+        print(f"generated {corpus} ({os.path.getsize(corpus) / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s")
+    bpe = os.path.join(scratch, "bpe")
+    if not os.path.exists(os.path.join(bpe, "tokenizer.json")):
+        train_bpe(iter_texts([corpus], max_bytes=32 << 20), 4096, bpe, show_progress=False)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+
+    def command(out, workers):
+        return [sys.executable, script, f"--inputs=web={corpus}", f"--tokenizer={bpe}", f"--output={out}",
+                f"--workers={workers}", "--noprogress"]
+
+    def digests(directory):
+        return {os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest()
+                for p in sorted(glob.glob(os.path.join(directory, "*"))) if os.path.isfile(p)
+                and not p.endswith("prepare.json")}
+
+    print(f"\n| prepare_data, {os.path.getsize(corpus) / 2**30:.2f} GiB jsonl, BPE 4096 | seconds | tokens/s | "
+          "MB/s of input | peak RSS (largest process) |\n|---|---|---|---|---|")
+    runs = {}
+    for workers in (1, 2):
+        out = os.path.join(scratch, f"shards-w{workers}")
+        subprocess.run(["rm", "-rf", out], check=True)
+        seconds, rss, _ = _measured(command(out, workers))
+        tokens = shard_lib.read_manifest(out)["tokens"]
+        runs[workers] = digests(out)
+        print(f"| {workers} worker{'s' * (workers > 1)} | {seconds:.0f} | {tokens / seconds:,.0f} | "
+              f"{os.path.getsize(corpus) / 1e6 / seconds:.1f} | {rss:,.0f} MiB |", flush=True)
+    same = runs[1] == runs[2]
+    killed = os.path.join(scratch, "shards-killed")
+    subprocess.run(["rm", "-rf", killed], check=True)
+    proc = subprocess.Popen(command(killed, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    while len(glob.glob(os.path.join(killed, "*.docs.npy"))) < max(1, len(runs[1]) // 4):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(glob.glob(os.path.join(killed, "*.docs.npy")))
+    seconds, _, _ = _measured(command(killed, 2))
+    print(f"\n1 and 2 workers byte-identical: {same} ({len(runs[1])} files). Killed (SIGKILL) with {done} shards "
+          f"committed, restarted: finished in {seconds:.0f} s, byte-identical to the uninterrupted run: "
+          f"{digests(killed) == runs[1]}")
+
+    # 100 shards against one file of the same tokens (cut from the 1-worker run: no second tokenization).
+    source = os.path.join(scratch, "shards-w1")
+    manifest = shard_lib.read_manifest(source)
+    streams = [shard_lib.Shard(source, e, manifest["dtype"]) for e in manifest["shards"]]
+    tokens = np.concatenate([np.asarray(s.tokens) for s in streams])
+    starts = np.concatenate([np.asarray(s.starts) + o for s, o in zip(streams, np.cumsum([0] + [s.n_tokens for s
+                                                                                               in streams[:-1]]))])
+    single = os.path.join(scratch, "single.uint16.bin")
+    tokens.tofile(single)
+    hundred = os.path.join(scratch, "shards-100")
+    subprocess.run(["rm", "-rf", hundred], check=True)
+    os.makedirs(hundred)
+    cuts = starts[np.searchsorted(starts, np.linspace(0, len(tokens), 101)[1:-1])]
+    bounds = [0, *cuts.tolist(), len(tokens)]
+    entries = []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        inner = starts[(starts >= a) & (starts < b)] - a
+        docs = np.split(tokens[a:b], inner[1:])
+        entries.append(shard_lib.write_shard(hundred, f"web-{k:05d}", docs, "uint16") | {"source": "web"})
+    manifest = {**manifest, "shards": entries}
+    with open(os.path.join(hundred, shard_lib.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    subprocess.run(["cp", "-r", os.path.join(source, "tokenizer"), hundred], check=True)
+    first = ("import sys, time; from parallax.data import make_dataset; t = time.perf_counter(); "
+             "d = make_dataset('tokens', sys.argv[1], seq_len=2048, global_batch_size=64, seed=0, vocab_size=4096, "
+             "eos_id=0); b = d.batch(0); print('FIRST', time.perf_counter() - t)")
+    print(f"\n| corpus of {len(tokens):,} tokens | make_dataset + first batch (64 x 2048), s | peak RSS |\n"
+          "|---|---|---|")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for label, path in [("one file, first start (scans it, writes its index)", single),
+                        ("one file, later starts (index cached)", single), ("100 shards", hundred)]:
+        if label.startswith("one file, first"):
+            for stale in glob.glob(single + ".index.npz"):
+                os.remove(stale)
+        _, rss, out = _measured([sys.executable, "-c", first, path], env={**os.environ, "PYTHONPATH": root})
+        seconds = float(next(line for line in out.splitlines() if line.startswith("FIRST")).split()[1])
+        print(f"| {label} | {seconds:.2f} | {rss:,.0f} MiB |", flush=True)
+
+
 def main(_):
+    if FLAGS.part == "data":  # no jax: the data pipeline alone
+        bench_data(FLAGS.data_gb, FLAGS.data_dir)
+        return
     if FLAGS.cpu_devices:
         from parallax.mesh import simulate_cpu_devices
 

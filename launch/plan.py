@@ -76,7 +76,9 @@ def main(argv, overrides):
     if not FLAGS.config:
         _config_exit(ConfigError("--config is required, e.g. --config=configs/llama3_8b.py"))
     try:
-        config = config_from_args(FLAGS.config, overrides)
+        from parallax.train import resolve_data
+
+        config, _ = resolve_data(config_from_args(FLAGS.config, overrides))  # vocab_size=0: the tokenizer's
         devices, described = _devices(config)
         from parallax.memory import GIB, TPU_HBM_GIB, advice, memory_report, tpu_generation
 

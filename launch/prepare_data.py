@@ -1,7 +1,7 @@
 """Tokenize a corpus into a shard directory that `data.source=tokens data.path=DIR` trains on.
 
     python launch/prepare_data.py --inputs='code=/usr/lib/python3.11/**/*.py' --inputs='web=data/*.jsonl' \
-        --tokenizer=runs/bpe --output=data/shards [--workers=2] [--shard_mb=64] [--text_field=text]
+        --tokenizer=runs/bpe --output=runs/shards [--workers=2] [--shard_mb=64] [--text_field=text]
 
 Inputs are NAME=PATTERN (NAME is the source `data.mixture` weighs; `main` when omitted): `.jsonl` (a text
 field per line), `.parquet`, a saved HF `datasets` directory, or any text files (one document each). The
@@ -35,7 +35,7 @@ def main(_):
     FLAGS = flags.FLAGS
     try:
         if not FLAGS.output:
-            raise ConfigError("--output is required, e.g. --output=data/shards")
+            raise ConfigError("--output is required, e.g. --output=runs/shards")
         prepare(FLAGS.inputs, FLAGS.output, FLAGS.tokenizer, workers=FLAGS.workers, shard_mb=FLAGS.shard_mb,
                 text_field=FLAGS.text_field, overwrite=FLAGS.overwrite, progress=FLAGS.progress)
     except ConfigError as e:

@@ -1,6 +1,6 @@
 """Language-model data: sources, packing into fixed-length rows, per-host batches -> global arrays.
 
-Owns the three sources (``synthetic``, ``text`` bytes, pre-tokenized ``tokens`` files), the split into
+Owns the three sources (``synthetic``, ``text`` bytes, pre-tokenized ``tokens`` files or shard directories), the split into
 train / eval documents, the packing of documents into rows of ``seq_len`` tokens, and ``to_global``.
 
 Determinism contract: row ``r`` of the global batch for ``(seed, step, split)`` depends on those four values
@@ -37,6 +37,11 @@ document's positions by one offset leaves every q.k rotation angle difference un
 
 Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens, which only an eval split can
 be: a train stream that short is a ``DataError`` (the training launcher refuses a short eval split too).
+
+Shard directories (``launch/prepare_data.py``, format in ``parallax.shards``) read as the token file of the
+same documents would: one stream over all shards (memory-mapped and indexed lazily), its tail the eval
+split. ``mixture`` ("web=0.7,code=0.3") keeps one stream per source instead (each with its own eval tail)
+and draws each row's source by weight (``Dataset._mixture_row``): still a function of (seed, step, row).
 
 Token files: ``NAME.uint16.bin`` / ``NAME.uint32.bin`` are raw little-endian arrays of that dtype;
 ``NAME.npy`` is a 1-D integer numpy array (any integer dtype). The first load scans the file once (smallest and

@@ -356,10 +356,12 @@ def _claim(out_dir: str, plan: dict, overwrite: bool) -> None:
         if os.path.isfile(plan_path):
             with open(plan_path) as f:
                 previous = json.load(f)
+        if previous is None:  # never delete what a preparation did not write
+            raise ConfigError(f"--output={out_dir}: not empty and not a preparation's directory (no {PLAN}); pass "
+                              "a new or empty --output")
         if previous != plan and not overwrite:
-            what = "was prepared from other inputs or settings" if previous else "is not a preparation's directory"
-            raise ConfigError(f"--output={out_dir}: {what} (its {PLAN} differs); pass a new --output, or --overwrite "
-                              "to replace it")
+            raise ConfigError(f"--output={out_dir}: was prepared from other inputs or settings (its {PLAN} "
+                              "differs); pass a new --output, or --overwrite to replace it")
         if previous != plan:
             shutil.rmtree(out_dir)
         else:

@@ -301,3 +301,32 @@ def test_bpe_to_shards_to_a_pipelined_run_that_resumes_and_samples_text(tmp_path
     config.model.vocab_size = 4096
     with pytest.raises(ConfigError, match="not the tokenizer this run was trained with"):
         train_and_evaluate(config, work, devices, log=lambda *_: None)
+
+
+def test_the_tokenizer_sets_eos_and_vocab_and_a_disagreeing_config_is_a_one_line_error(corpus, tmp_path):
+    from parallax.train import resolve_data
+
+    bpe = str(corpus["root"] / "bpe")
+    config = tiny_config(tensor=2)
+    config.data.update(source="tokens", path=str(tmp_path / "x.npy"), tokenizer=bpe)
+    config.model.vocab_size = 0
+    resolved, tok = resolve_data(config)
+    assert (resolved.model.vocab_size, resolved.data.eos_id, tok.vocab_size) == (512, 0, 512)
+    assert config.model.vocab_size == 0  # a copy: the caller's config is left as it was
+    config.model.vocab_size = 500
+    with pytest.raises(ConfigError, match=r"config.model.vocab_size=500: the tokenizer .* emits ids up to 511; set "
+                                          r"model.vocab_size=512 \(or 0: from the tokenizer\)"):
+        resolve_data(config)
+    config.model.vocab_size, config.data.eos_id = 512, 3
+    with pytest.raises(ConfigError, match="config.data.eos_id=3: the tokenizer's eos is 0"):
+        resolve_data(config)
+    config.data.update(source="text", eos_id=-1)
+    with pytest.raises(ConfigError, match=r"source='text' trains on bytes; .* \(launch/prepare_data.py"):
+        resolve_data(config)
+    config.data.source = "synthetic"
+    with pytest.raises(ConfigError, match="source='synthetic' makes token ids"):
+        resolve_data(config)
+    r = run_launcher("prepare_data", "--inputs=/nonexistent/*.txt", f"--output={tmp_path}/o", timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "config error: --inputs main=/nonexistent/*.txt: matches no files; fix the pattern (globs need quotes, ** "
+        "for subdirectories)"], r.stderr

@@ -266,3 +266,36 @@ def test_cli_import_then_train_resumes_from_the_imported_weights(checkpoints, tm
         f"config error: --hf_dir={tmp_path / 'missing'}: no such directory; pass a directory holding config.json "
         "and model.safetensors (e.g. one written by save_pretrained)"]
     assert not os.path.exists(tmp_path / "run2")
+
+
+def test_import_takes_the_hf_tokenizer_along_and_sampling_encodes_and_decodes_through_it(checkpoints, tmp_path):
+    """A tokenizer written by transformers beside the tiny Llama: the import keeps it in WORKDIR/tokenizer, the
+    prompt is encoded by it, the sample is decoded by it (checked against transformers' own), export writes it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from parallax.sample import generate, sample_from_workdir
+
+    hf_dir = str(tmp_path / "hf")
+    shutil.copytree(checkpoints["llama"][0], hf_dir)
+    rust = Tokenizer(models.BPE(unk_token="<unk>"))
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    rust.train_from_iterator(["the cat sat on the mat", "a dog ate the hat"] * 20, trainers.BpeTrainer(
+        vocab_size=48, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.save_pretrained(hf_dir)
+    work = str(tmp_path / "run")
+    hf.import_to_workdir(hf_dir, work, overrides=[("train.seq_len", "16")], devices=jax.devices()[:1],
+                         log=lambda *_: None)
+    prompt = "the cat"
+    sample = sample_from_workdir(work, prompt, num_tokens=6, temperature=0)
+    trainer, params = _import(hf_dir)
+    ids = fast.encode(prompt, add_special_tokens=False)
+    assert ids and max(ids) > 3  # real merges, not bytes
+    out = generate(trainer.graphdef, params, np.asarray(ids, np.int32), 6, 16, temperature=0,
+                   par=trainer.plan.parallelism)
+    assert sample == f"step 0 sample:\n{prompt}{fast.decode(out.tolist(), skip_special_tokens=True)}", sample
+    names = hf.export_workdir(work, str(tmp_path / "out"), devices=jax.devices()[:1], log=lambda *_: None)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(names)
+    again = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert again.encode(prompt, add_special_tokens=False) == ids
