@@ -343,13 +343,17 @@ class Dataset:
         """(source index, window start) of a mixture's row: the random sampler draws the source by weight
         from the row's own seed; the epoch sampler deals rows out by `_mixture_slot` (exact shares), and
         each source reads its windows in its own epoch order."""
-        weights = [w if s is not None else 0.0 for w, s in zip(mixture.weights, mixture.streams)]
+        active = [k for k, (w, s) in enumerate(zip(mixture.weights, mixture.streams)) if w > 0 and s is not None]
+        if not active:
+            raise DataError(f"no source of this mixture has documents in the {split!r} split; raise eval_fraction")
+        weights = [mixture.weights[k] for k in active]
         if self.sampler == "epoch":
-            k, index = _mixture_slot(weights, step * self.global_batch_size + row)
+            j, index = _mixture_slot(weights, step * self.global_batch_size + row)
         else:
             u = np.random.default_rng([self.seed, SPLITS.index(split), step, row, 1 << 20]).random()
             cumulative = np.cumsum(weights) / sum(weights)
-            k, index = min(int(np.searchsorted(cumulative, u, side="right")), len(weights) - 1), None
+            j, index = min(int(np.searchsorted(cumulative, u, side="right")), len(weights) - 1), None
+        k = active[j]
         return k, self._offset(mixture.streams[k], step, split, row, index, key=(k + 1,))
 
     def epoch(self, step: int) -> float:
@@ -382,7 +386,8 @@ class Dataset:
 def _mixture_slot(weights, g: int) -> tuple[int, int]:
     """Row `g` of a mixture -> (its source k, its number among source k's rows), dealt out exactly: of rows
     0..g, source 0 takes floor((g + 1) * w0) (Bresenham's line), source 1 the same share of the rest, and so
-    on. A pure function of g, so a resumed run needs only the step; each source's share is exact to a row."""
+    on, the last source taking what is left. A pure function of g, so a resumed run needs only the step;
+    each source's share is exact to a row. `weights` are all positive."""
     rest = float(sum(weights))
     for k, w in enumerate(weights[:-1]):
         p = w / rest if rest > 0 else 0.0
@@ -463,7 +468,7 @@ def _shard_streams(paths, vocab_size, eval_fraction, eos_id, tokenizer_hash, mix
     such stream per source, each with its own eval tail."""
     from parallax import shards as shard_lib
 
-    by_source, hashes = {}, {}
+    by_source, hashes, in_order = {}, {}, []
     for directory in paths:
         try:
             manifest = shard_lib.read_manifest(directory)
@@ -488,6 +493,7 @@ def _shard_streams(paths, vocab_size, eval_fraction, eos_id, tokenizer_hash, mix
                 raise DataError(f"shard {shard.path!r} holds id {entry['highest']}, outside vocab_size={vocab_size}; "
                                 "raise model.vocab_size to the tokenizer's (or 0: from the tokenizer)")
             by_source.setdefault(entry.get("source", ""), []).append(shard)
+            in_order.append(shard)
     if len(set(hashes.values())) > 1:
         raise DataError(f"the shard directories {sorted(hashes)} were tokenized by different tokenizers; "
                         "prepare them with one tokenizer")
@@ -502,7 +508,7 @@ def _shard_streams(paths, vocab_size, eval_fraction, eos_id, tokenizer_hash, mix
         return train, (shard_lib.ShardStream(shards, cut, len(whole)) if cut < len(whole) else None)
 
     if not mixture:
-        return split([s for shards in by_source.values() for s in shards])
+        return split(in_order)  # every shard in manifest order, directory after directory
     unknown = sorted(set(mixture) - set(by_source))
     if unknown:
         raise DataError(f"mixture source {unknown[0]!r} is not in {paths} (its sources: "

@@ -394,7 +394,15 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
         raise ConfigError(f"--workdir={workdir}: already holds a run; import into a new --workdir")
     from parallax import tokenizer as tok_lib
 
-    tok = tok_lib.load(hf_dir) if tok_lib.has_files(hf_dir) else None
+    from parallax.train import resolve_data
+
+    config, _ = resolve_data(config)  # eos (and a corpus's checks) as a training run will see them
+    tok = None
+    if tok_lib.has_files(hf_dir):
+        try:
+            tok = tok_lib.load(hf_dir)
+        except ConfigError as e:  # e.g. a tokenizer.model without the sentencepiece package: the weights still load
+            log(f"note: importing without the tokenizer ({e})")
     if tok is not None and tok.vocab_size > config.model.vocab_size:
         raise ConfigError(f"--hf_dir={hf_dir}: its tokenizer emits ids up to {tok.vocab_size - 1}, past the model's "
                           f"vocab_size={config.model.vocab_size}; is the tokenizer from another model?")

@@ -3,7 +3,7 @@
 **Inputs** are `NAME=PATTERN` pairs (NAME names the source for `data.mixture`; `main` when omitted). A pattern
 is a glob (`**` recursive), a file or a directory. By kind:
 
-* `.jsonl` / `.json` (one JSON object per line): the document is the `text_field` of each line;
+* `.jsonl` / `.ndjson` (one JSON object per line): the document is the `text_field` of each line;
 * `.parquet`: the `text_field` column (pyarrow);
 * a saved Hugging Face `datasets` directory (`Dataset.save_to_disk`: `state.json` + `.arrow` files): its
   `text_field` column, read with pyarrow (memory-mapped; the `datasets` library is not needed);
@@ -44,7 +44,7 @@ from parallax import tokenizer as tok_lib
 from parallax.errors import ConfigError
 
 PLAN = "prepare.json"
-_JSONL = (".jsonl", ".json", ".ndjson")
+_JSONL = (".jsonl", ".ndjson")  # not .json: a package.json in a source tree is one document
 _SOURCE_NAME = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
 _ENCODE_BATCH = 512  # documents per encode_batch call
 
@@ -161,7 +161,8 @@ def plan_units(inputs: list[tuple[str, str]], shard_bytes: int, text_field: str 
         for path in found:
             kind = _kind(path)
             size = (sum(os.path.getsize(f) for f in _arrow_files(path)) if kind == "arrow" else os.path.getsize(path))
-            files.append((path, size, os.stat(path).st_mtime_ns))
+            for f in (_arrow_files(path) if kind == "arrow" else [path]):  # a dataset: each of its files
+                files.append((f, os.path.getsize(f), os.stat(f).st_mtime_ns))
             if kind == "files":
                 if size == 0:
                     continue
@@ -252,15 +253,21 @@ def read_unit(unit: Unit, text_field: str = "text") -> list[str]:
 _WORKER_TOKENIZER = {}
 
 
-def _tokenizer(spec: str):
-    if spec not in _WORKER_TOKENIZER:
-        _WORKER_TOKENIZER[spec] = tok_lib.load(spec)
-    return _WORKER_TOKENIZER[spec]
+def _tokenizer(spec: str, expected_hash: str):
+    """The tokenizer at `spec` (cached per process by its hash), which must be the plan's."""
+    if expected_hash not in _WORKER_TOKENIZER:
+        tok = tok_lib.load(spec)
+        if tok.hash != expected_hash:
+            raise ConfigError(f"{spec}: the tokenizer copy has hash {tok.hash[:12]}, not the plan's "
+                              f"{expected_hash[:12]}; rerun with --overwrite")
+        _WORKER_TOKENIZER[expected_hash] = tok
+    return _WORKER_TOKENIZER[expected_hash]
 
 
-def tokenize_unit(unit: Unit, name: str, spec: str, out_dir: str, dtype: str, text_field: str) -> dict:
+def tokenize_unit(unit: Unit, name: str, spec: str, out_dir: str, dtype: str, text_field: str,
+                  tokenizer_hash: str) -> dict:
     """Reads, tokenizes and writes one unit as shard `name`; returns its manifest entry."""
-    tok = _tokenizer(spec)
+    tok = _tokenizer(spec, tokenizer_hash)
     texts = read_unit(unit, text_field)
     docs = []
     for i in range(0, len(texts), _ENCODE_BATCH):
@@ -298,7 +305,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
     tok.copy_to(os.path.join(out_dir, "tokenizer"))
     spec = os.path.join(out_dir, "tokenizer")  # what the workers load: the copy, hash for hash the same
     todo = [i for i, n in enumerate(names) if not shard_lib.committed(out_dir, n, dtype)]
-    entries = {i: shard_lib.shard_entry(out_dir, names[i], dtype) | {"source": units[i].source}
+    entries = {i: shard_lib.shard_entry(out_dir, names[i], dtype, tok.eos_id) | {"source": units[i].source}
                for i in range(len(units)) if i not in todo}
     if entries:
         log(f"prepare: {len(entries)} of {len(units)} shards already done in {out_dir}; continuing")
@@ -308,7 +315,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
     start, tokens = time.perf_counter(), 0
     bar = _progress_bar(total, progress)
     try:
-        for i, entry in _run(todo, units, names, spec, out_dir, dtype, text_field, workers):
+        for i, entry in _run(todo, units, names, spec, out_dir, dtype, text_field, workers, tok.hash):
             entries[i] = entry
             tokens += entry["tokens"]
             rate = tokens / max(time.perf_counter() - start, 1e-9)
@@ -333,15 +340,16 @@ def _progress_bar(total, enabled):
     return tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not enabled, mininterval=1.0)
 
 
-def _run(todo, units, names, spec, out_dir, dtype, text_field, workers):
+def _run(todo, units, names, spec, out_dir, dtype, text_field, workers, tokenizer_hash):
     """Yields (unit index, entry) as units finish: in this process for one worker, else in a pool."""
     if workers == 1:
         for i in todo:
-            yield i, tokenize_unit(units[i], names[i], spec, out_dir, dtype, text_field)
+            yield i, tokenize_unit(units[i], names[i], spec, out_dir, dtype, text_field, tokenizer_hash)
         return
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
-        futures = {pool.submit(tokenize_unit, units[i], names[i], spec, out_dir, dtype, text_field): i
+        futures = {pool.submit(tokenize_unit, units[i], names[i], spec, out_dir, dtype, text_field,
+                               tokenizer_hash): i
                    for i in todo}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.result()
@@ -399,7 +407,7 @@ def iter_texts(inputs: list[str], text_field: str = "text", max_bytes: int = 0):
         for unit in units:
             for text in read_unit(unit, text_field):
                 yield text
-                read += len(text)
+                read += len(text.encode("utf-8"))
                 if max_bytes and read >= max_bytes:
                     return
     return texts()

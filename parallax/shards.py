@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 
@@ -58,16 +59,25 @@ def write_shard(directory: str, name: str, documents: list, dtype: str) -> dict:
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(documents) else \
         np.zeros(0, np.int64)
     path = os.path.join(directory, token_file(name, dtype))
-    with open(path + ".tmp", "wb") as f:
-        f.write(tokens.tobytes())
-    os.replace(path + ".tmp", path)
+    _write_atomically(path, tokens.tobytes())
     index = os.path.join(directory, docs_file(name))
-    with open(index + ".tmp", "wb") as f:
-        np.save(f, starts)
-    os.replace(index + ".tmp", index)  # the commit: the shard exists from here on
+    buffer = io.BytesIO()
+    np.save(buffer, starts)
+    _write_atomically(index, buffer.getvalue())  # the commit: the shard exists from here on
     return {"name": name, "tokens": int(len(tokens)), "documents": int(len(documents)),
             "lowest": int(tokens.min()) if len(tokens) else 0, "highest": int(tokens.max()) if len(tokens) else 0,
             "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """`data` into `path` through a temporary of this process (`*.PID.tmp`), synced before the rename, so
+    that neither a kill nor a power loss leaves a renamed file with less than its bytes."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def committed(directory: str, name: str, dtype: str) -> bool:
@@ -75,10 +85,14 @@ def committed(directory: str, name: str, dtype: str) -> bool:
         os.path.isfile(os.path.join(directory, token_file(name, dtype)))
 
 
-def shard_entry(directory: str, name: str, dtype: str) -> dict:
-    """The manifest entry of a committed shard, read back from its files (a restarted preparation)."""
+def shard_entry(directory: str, name: str, dtype: str, eos_id: int) -> dict:
+    """The manifest entry of a committed shard, read back from its files (a restarted preparation); a shard
+    whose index does not fit its tokens is a ShardError."""
     tokens = np.fromfile(os.path.join(directory, token_file(name, dtype)), DTYPES[dtype])
     starts = np.load(os.path.join(directory, docs_file(name)))
+    if len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens) or tokens[-1] != eos_id):
+        raise ShardError(f"shard {name!r} in {directory!r} is damaged (its index does not fit its tokens); "
+                         "delete its files and rerun to write it again")
     return {"name": name, "tokens": int(len(tokens)), "documents": int(len(starts)),
             "lowest": int(tokens.min()) if len(tokens) else 0, "highest": int(tokens.max()) if len(tokens) else 0,
             "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}

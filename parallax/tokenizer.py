@@ -154,6 +154,9 @@ class HFTokenizer(Tokenizer):
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
         if self.bos_id is not None and "add_bos_token" not in config:  # Llama 3 adds it by its post-processor
             self.add_bos = self.bos_id in self.tok.encode("a", add_special_tokens=True).ids
+        # Text is text: a literal "<|endoftext|>" in a document is encoded as its characters, not as the
+        # eos id (which would end the document inside the row; tiktoken's encode_ordinary does the same).
+        self.tok.encode_special_tokens = True
         self.source = path
 
     def encode_batch(self, texts):
@@ -183,8 +186,8 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_batch(self, texts):
         return self.sp.encode(list(texts))
 
-    def decode(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
+    def decode(self, ids) -> str:  # ids past the tokenizer's (a padded vocabulary's) are left out
+        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
 class TiktokenTokenizer(Tokenizer):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
+import shutil
 import signal
 import time
 
@@ -25,6 +25,7 @@ from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
 from parallax import paths
+from parallax import shards as shard_lib
 from parallax import tokenizer as tok_lib
 from parallax.defaults import load_saved_config
 from parallax.errors import ConfigError
@@ -70,14 +71,21 @@ def run_tokenizer(config):
                               "set source='tokens', path=THAT_DIR")
         return tok_lib.ByteTokenizer(None if d.eos_id < 0 else int(d.eos_id))
     dirs = _shard_dirs(config)
+    if dirs:
+        try:  # not a shard directory: that is the error to show, not a missing DIR/tokenizer
+            shard_lib.read_manifest(dirs[0])
+        except shard_lib.ShardError as e:
+            raise ConfigError(f"config.data.path={d.path!r}: {e}") from None
     if not spec and dirs:
         spec = os.path.join(dirs[0], "tokenizer")
+    if spec == "bytes":  # as prepare_data.py writes bytes: eos 256 unless set
+        return tok_lib.ByteTokenizer(256 if d.eos_id < 0 else int(d.eos_id))
     return tok_lib.load(spec, None if d.eos_id < 0 else int(d.eos_id)) if spec else None
 
 
 def resolve_data(config):
     """`config` with the keys the tokenizer decides filled in: `data.eos_id` (from -1) and `model.vocab_size`
-    (from 0: the tokenizer's ids rounded up to a multiple of 128 and of mesh.tensor); a value that disagrees
+    (from 0: the tokenizer's ids rounded up to a multiple of 128); a value that disagrees
     with the tokenizer is a one-line ConfigError. Returns (config, tokenizer or None); `config` is a copy."""
     config = copy.deepcopy(config)
     tok = run_tokenizer(config)
@@ -93,7 +101,7 @@ def resolve_data(config):
         elif int(d.eos_id) != tok.eos_id:
             raise ConfigError(f"config.data.eos_id={d.eos_id}: the tokenizer's eos is {tok.eos_id}; drop the "
                               "override (-1 takes the tokenizer's)")
-    multiple = math.lcm(128, max(1, int(config.mesh.tensor)))
+    multiple = 128  # not of the mesh: a resume on another mesh must pad the same (mesh checks divisibility)
     if int(m.vocab_size) == 0:
         m.vocab_size = tok_lib.padded_vocab(tok.vocab_size, multiple)
     elif int(m.vocab_size) < tok.vocab_size:
@@ -284,6 +292,9 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
         workdir.mkdir(parents=True, exist_ok=True)
         if start is None:
             config_path.write_text(config.to_json_best_effort(indent=2))
+        if start is None and kept is not None:  # a run killed before its first checkpoint left one
+            shutil.rmtree(workdir / "tokenizer")
+            kept = None
         if tokenizer is not None and kept is None:  # the run's copy: sampling and export read it
             tokenizer.copy_to(str(workdir / "tokenizer"))
     log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {config.model.name} "

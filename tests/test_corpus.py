@@ -38,7 +38,7 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     code = sorted(glob.glob(os.path.join(STDLIB, "json", "*.py")))
     rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "tokens", "shard", "é", "日本", "\n"]
+    words = ["alpha", "beta", "gamma", "delta", "tokens", "shard", "é", "日本", "\n", "<|endoftext|>"]  # eos as text
     texts = [" ".join(rng.choice(words, int(rng.integers(1, 60)))) for _ in range(400)]
     with open(root / "docs.jsonl", "w") as f:
         for i, text in enumerate(texts):
@@ -105,6 +105,14 @@ def test_prepare_reads_every_kind_deterministically_with_any_workers_and_restart
 
     with pytest.raises(ConfigError, match="was prepared from other inputs or settings"):
         prep.prepare(inputs[:1], one, bpe, progress=False, log=lambda *_: None)
+    # The same process, the same output, another tokenizer: the shards are that tokenizer's, not a cached one's.
+    prep.prepare(inputs[:2], one, "bytes", overwrite=True, progress=False, log=lambda *_: None)
+    assert _decoded_documents(one, "docs") == texts
+    assert shard_lib.read_manifest(one)["shards"][0]["highest"] == 256
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "package.json").write_text('{\n  "name": "x"\n}\n')  # in a source tree: a document
+    prep.prepare([str(tmp_path / "tree")], str(tmp_path / "tree_out"), progress=False, log=lambda *_: None)
+    assert _decoded_documents(str(tmp_path / "tree_out"), "main") == ['{\n  "name": "x"\n}\n']
 
 
 def _shard_dir(path, docs, shard_of, eos, vocab=300):
@@ -171,9 +179,12 @@ def test_mixture_shares_follow_the_weights_and_per_source_rows_stay_in_their_sou
         for j in range(2):
             entries.append(shard_lib.write_shard(str(tmp_path / "mix"), f"{name}-{j:05d}", docs[j::2], "uint16")
                            | {"source": name})
+    one = [np.append(np.full(30, 260), 256)]  # a source of one document: no eval tail
+    entries.append(shard_lib.write_shard(str(tmp_path / "mix"), "one-00000", one, "uint16") | {"source": "one"})
     tok.copy_to(str(tmp_path / "mix" / "tokenizer"))
     with open(tmp_path / "mix" / shard_lib.MANIFEST, "w") as f:
-        json.dump(prep._manifest(tok, "uint16", [("web", "-"), ("code", "-"), ("math", "-")], entries), f)
+        json.dump(prep._manifest(tok, "uint16", [("web", "-"), ("code", "-"), ("math", "-"), ("one", "-")],
+                                 entries), f)
     weights = {"web": 0.6, "code": 0.3, "math": 0.1}
     for sampler in ("random", "epoch"):
         ds = data_lib.make_dataset("tokens", str(tmp_path / "mix"), seq_len=8, global_batch_size=100, seed=1,
@@ -189,6 +200,12 @@ def test_mixture_shares_follow_the_weights_and_per_source_rows_stay_in_their_sou
         ev = ds.batch(0, "eval", source="math")["inputs"]
         assert np.all((ev == 256) | ((ev >= 200) & (ev < 250)) | (ev == 0))
         assert ds.mixture_sources == ("web", "code", "math")
+        # The last source has no eval tail: eval rows come from the others (the epoch sampler once gave it one).
+        ds = data_lib.make_dataset("tokens", str(tmp_path / "mix"), seq_len=8, global_batch_size=100, seed=1,
+                                   vocab_size=300, sampler=sampler, mixture="web=1,code=2,one=3")
+        assert ds.streams["eval"].streams[2] is None and ds.mixture_sources == ("web", "code")
+        assert set(ds.row_sources(0, "eval")) == {"web", "code"} and "one" in ds.row_sources(0)
+        assert ds.batch(0, "eval")["inputs"].shape == (100, 8)
 
 
 def test_bad_corpora_and_mixtures_are_one_line_errors_before_anything_is_written(corpus, tmp_path):
@@ -242,6 +259,7 @@ def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_co
     sp = tok_lib.load(str(tmp_path / "sp.model"))
     assert sp.kind == "sentencepiece" and sp.add_bos and sp.prompt("alpha")[0] == sp.bos_id
     assert sp.decode(sp.encode("alpha beta")) == "alpha beta"
+    assert sp.decode(sp.encode("alpha") + [sp.vocab_size + 3]) == "alpha"  # a padded vocabulary's ids
     pytest.importorskip("tiktoken")
     import base64
 
