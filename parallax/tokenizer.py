@@ -294,7 +294,7 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 def train_bpe(texts, vocab_size: int, out_dir: str, show_progress: bool = True) -> HFTokenizer:
-    """Trains a byte-level BPE of `vocab_size` ids (GPT-2's scheme: no unknown token, any text encodes;
+    """Trains a byte-level BPE of `vocab_size` ids (the byte-level scheme: no unknown token, any text encodes;
     `<|endoftext|>` is id 0 and the eos) on the iterable of strings `texts` with the `tokenizers` trainer,
     and writes `tokenizer.json` + `tokenizer_config.json` (loadable by `transformers` too) into `out_dir`."""
     from tokenizers import Tokenizer as RustTokenizer
