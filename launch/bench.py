@@ -3,6 +3,8 @@
     python launch/bench.py --cpu_devices=8 [--part=all|mesh|pipeline] [--steps=5]
     python launch/bench.py --cpu_devices=64 --part=muon   # Newton-Schulz on the 8B / 70B shapes (compile only)
     python launch/bench.py --part=data [--data_gb=1] [--data_dir=/tmp/parallax_bench_data]   # prepare_data
+    python launch/bench.py --part=device --cpu_devices=0 [--steps=30]  # on a GPU / TPU machine: tokens/s/chip, MFU
+    python launch/bench.py --part=device --smoke                       # the same script, tiny, on CPU (a test)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
 the memory figures are XLA's own (`compiled.memory_analysis()`, per device); the Muon figures are XLA's
@@ -17,8 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
-flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data"],
+flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "device"],
                   "Which benchmark to run (all: mesh + pipeline).")
+flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step).")
@@ -336,7 +339,61 @@ def bench_data(gigabytes, scratch):
         print(f"| {label} | {seconds:.2f} | {rss:,.0f} MiB |", flush=True)
 
 
+def device_configs(smoke: bool, devices: int) -> dict:
+    """The device benchmark's models, bf16, FSDP over every device: a ~1B dense Llama (Llama 3.2 1B's
+    shape: 16 layers, d_model 2048, GQA 32 / 8 heads, d_ff 8192, 128,256-token vocabulary) at 8 x 2048 tokens
+    per device, and a small MoE (8 layers, 8 experts top-2, dropless ragged dispatch); `smoke`: tiny ones."""
+    from parallax.defaults import default_config
+
+    out = {}
+    for name, model in (("llama-1b", "llama"), ("moe-small", "moe")):
+        c = default_config(model=model)
+        c.mesh.update(data=1, fsdp=devices)
+        if model == "llama":
+            c.model.update(num_layers=16, d_model=2048, num_heads=32, num_kv_heads=8, d_ff=8192, vocab_size=128256)
+        else:
+            c.model.update(num_layers=8, d_model=1024, num_heads=16, num_kv_heads=4, vocab_size=32768)
+            c.model.moe.update(num_experts=8, top_k=2, d_ff_expert=2816, dispatch="ragged")
+        c.model.update(dtype="bfloat16", remat="dots", attention_block=512, loss_chunk=1024)
+        c.train.update(global_batch_size=8 * devices, seq_len=2048)
+        if smoke:
+            c.model.update(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, vocab_size=512, attention_block=32,
+                           loss_chunk=32, **({"d_ff": 128} if model == "llama" else {}))
+            if model == "moe":
+                c.model.moe.update(d_ff_expert=64)
+            c.train.update(global_batch_size=2 * devices, seq_len=64)
+        c.data.source = "synthetic"
+        out[name] = c
+    return out
+
+
+def bench_device(steps: int, smoke: bool):
+    """Tokens/s per chip and MFU of `device_configs` on this machine's devices (one table row each)."""
+    import jax
+
+    from parallax.throughput import throughput
+    from parallax.train import make_dataset
+    from parallax.trainer import Trainer
+
+    devices = jax.devices()
+    kind = devices[0].device_kind
+    print(f"| model ({len(devices)} x {kind}, jax {jax.__version__}) | params | attention | tokens/s/chip | "
+          "step s | MFU | loss |\n|---|---|---|---|---|---|---|")
+    for name, config in device_configs(smoke, len(devices)).items():
+        trainer = Trainer(config, devices)
+        dt, loss = _time_steps(trainer, make_dataset(config), steps)
+        record = throughput(trainer.plan, trainer.mesh).metrics(dt)
+        mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a (peak unknown)"
+        attention = f"blockwise ({config.model.attention_block})" if config.model.attention_block else "reference"
+        print(f"| {name} | {trainer.num_params / 1e9:.3g}B | {attention} | "
+              f"{record['tokens_per_sec_per_device']:,.0f} | {dt:.3f} | {mfu} | {loss:.3f} |", flush=True)
+
+
 def main(_):
+    if FLAGS.part == "device" and not FLAGS.cpu_devices:  # the overlap flags a training run would set
+        from parallax.mesh import apply_platform_flags, detect_platform
+
+        print("platform flags:", apply_platform_flags(detect_platform()))
     if FLAGS.part == "data":  # no jax: the data pipeline alone
         bench_data(FLAGS.data_gb, FLAGS.data_dir)
         return
@@ -349,14 +406,17 @@ def main(_):
     logging.set_verbosity(logging.WARNING)
     import jax
 
-    print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices; model: 8 layers, "
-          f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")
+    if FLAGS.part != "device":
+        print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices; model: 8 layers, "
+              f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")
     if FLAGS.part in ("all", "mesh"):
         bench_meshes(FLAGS.steps)
     if FLAGS.part in ("all", "pipeline"):
         bench_pipeline(FLAGS.steps)
     if FLAGS.part == "muon":
         bench_muon()
+    if FLAGS.part == "device":
+        bench_device(2 if FLAGS.smoke else FLAGS.steps, FLAGS.smoke)
 
 
 if __name__ == "__main__":

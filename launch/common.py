@@ -25,6 +25,8 @@ def cli_main(run, needs_config):
                         "short for --config.dist.coordinator.")
     flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run (--config.dist.num_processes).")
     flags.DEFINE_integer("process_id", None, "This process's id in a multi-process run (--config.dist.process_id).")
+    flags.DEFINE_bool("platform_flags", True, "Set the compiler's overlap flags for this platform (TPU: "
+                      "LIBTPU_INIT_ARGS, GPU: XLA_FLAGS) unless the variable already sets them; see docs/parallelism.md.")
     extra_flags = getattr(run, "define_flags", None)
     if extra_flags:
         extra_flags()
@@ -37,6 +39,8 @@ def cli_main(run, needs_config):
 
         if flags.FLAGS.cpu_devices:
             simulate_cpu_devices(flags.FLAGS.cpu_devices)
+        elif flags.FLAGS.platform_flags:
+            _platform_flags()
         if not flags.FLAGS.workdir:
             _config_exit(ConfigError("--workdir is required, e.g. --workdir=/tmp/run1"))
         config = None
@@ -67,6 +71,17 @@ def cli_main(run, needs_config):
             _peer_exit(e, flags.FLAGS.workdir)
 
     app.run(main, argv=argv)
+
+
+def _platform_flags():
+    """`parallax.mesh.apply_platform_flags` for the detected platform, printed (before jax starts)."""
+    from parallax.mesh import apply_platform_flags, detect_platform
+
+    platform = detect_platform()
+    variable, added = apply_platform_flags(platform)
+    if added:
+        print(f"platform flags ({platform}): {variable} += {' '.join(added)} (--noplatform_flags: none; set "
+              f"{variable} to override one)", flush=True)
 
 
 def _config_exit(error):

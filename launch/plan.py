@@ -40,6 +40,13 @@ def _devices(config):
         if FLAGS.devices:
             raise ConfigError(f"--devices={FLAGS.devices} with --topology={FLAGS.topology}: the topology sets "
                               f"the device count; drop --devices")
+        from parallax.memory import tpu_generation
+        from parallax.mesh import apply_platform_flags
+
+        # compile with the flags a TPU run of this generation sets (launch/common.py)
+        variable, added = apply_platform_flags("tpu", generation=tpu_generation(FLAGS.topology))
+        if added:
+            print(f"platform flags (tpu): {variable} += {' '.join(added)}", flush=True)
         import jax
 
         jax.config.update("jax_platforms", "cpu")  # host work only; the TPU compiler comes with the devices

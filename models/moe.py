@@ -52,6 +52,7 @@ from flax import nnx
 
 from models import llama
 from parallax.errors import ConfigError
+from parallax import model as model_lib
 from parallax.model import DENSE, Model, Parallelism, apply_blocks, attention_flops_per_token, param_flops_per_token
 from parallax.parallel import expert as ep_lib
 
@@ -243,7 +244,7 @@ class MoE(Model):
                                   f"{rows} rows per rank and microbatch (global_batch_size="
                                   f"{config.train.global_batch_size} / {mbs} microbatches / {batch_ranks} batch "
                                   f"ranks); use a divisor of {rows}")
-        if moe.dispatch == "ragged" and ep > 1 and jax.default_backend() == "cpu":
+        if moe.dispatch == "ragged" and ep > 1 and model_lib.target_platform() == "cpu":
             raise ConfigError(f"config.model.moe.dispatch='ragged' with mesh.expert={ep} on cpu: "
                               f"jax.lax.ragged_all_to_all is not implemented on XLA:CPU; use "
                               f"moe.dispatch='capacity' with moe.capacity_factor=0 (dropless: capacity = all tokens "

@@ -97,7 +97,7 @@ def _bytes_on_device(tree, shardings) -> int:
 def memory_report(config, devices=None) -> MemoryReport:
     """Compiles the train step of `config` for `devices` (default: all) and measures it; nothing is allocated."""
     devices = list(jax.devices() if devices is None else devices)
-    trainer = Trainer(make_plan(config, len(devices)), devices=devices)
+    trainer = Trainer(make_plan(config, len(devices), devices[0].platform), devices=devices)
     state = trainer.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
              for k, a in abstract_batch(config).items()}

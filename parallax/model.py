@@ -23,7 +23,8 @@ A model is a Flax NNX module that subclasses `Model` and has four parts:
 documents) and `positions` (within each document).
 
 Class-level hooks: `config_defaults()` (the model's own `config.model` keys and defaults),
-`check_config(model_config, sizes, config)` (model-specific checks; raise `ConfigError`), `parallel_axes`
+`check_config(model_config, sizes, config)` (model-specific checks; raise `ConfigError`; a choice that
+depends on the hardware reads `target_platform()`, the platform of the devices compiled for), `parallel_axes`
 (the explicit axes the model implements, of "tensor", "seq" and "expert") and `rules` (defaults for
 logical names the model adds to the rules table). For layers with aux values: `aux_metrics(model_config,
 aux, weight_total)` (scalars for the train metrics) and `after_step(model_config, params, aux)` (a pure
@@ -52,6 +53,8 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import importlib.metadata
 import importlib.util
@@ -90,6 +93,26 @@ EXPLICIT_AXES = ("tensor", "seq")  # mesh axes that need the model's help (`para
 ENTRY_POINT_GROUP = "parallax.models"
 
 
+_TARGET = contextvars.ContextVar("parallax_target_platform", default=None)
+
+
+def target_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices a plan is made for: what `make_plan` was given (e.g.
+    "tpu" for `launch/plan.py --topology` on a CPU host), else the host's `jax.default_backend()`. Model
+    checks read this, never `jax.default_backend()`, so a plan made ahead of time decides as a run would."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def targeting(platform: str | None):
+    """`target_platform()` is `platform` inside the block (None: the host's)."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 class Model(nnx.Module):
     """Base class of parallax models; see the module docstring for the contract.
 
@@ -106,7 +129,8 @@ class Model(nnx.Module):
 
     @staticmethod
     def check_config(model_config, sizes: dict[str, int], config) -> None:
-        """Raises ConfigError (one line: key, value, fix) if the model cannot run with these mesh sizes."""
+        """Raises ConfigError (one line: key, value, fix) if the model cannot run with these mesh sizes
+        (on `target_platform()`)."""
 
     @staticmethod
     def aux_metrics(model_config, aux: dict, weight_total) -> dict:

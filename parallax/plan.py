@@ -48,6 +48,7 @@ class Plan:
     logical: dict  # the same tree of logical-name tuples
     parallelism: Parallelism  # what the model's parallel points get; a region with tensor / seq / expert / pipe > 1
     schedule: Schedule | None  # the pipeline schedule when sizes['pipe'] > 1
+    platform: str = "cpu"  # of the devices it is made for (`model.target_platform()` during the checks)
 
     @property
     def data_parallel(self) -> int:
@@ -74,8 +75,17 @@ class Plan:
                                          axis_types=auto)
 
 
-def make_plan(config, num_devices: int) -> Plan:
-    """Checks `config` for `num_devices` devices and resolves it; raises ConfigError naming the fix."""
+def make_plan(config, num_devices: int, platform: str | None = None) -> Plan:
+    """Checks `config` for `num_devices` devices of `platform` ("cpu", "gpu", "tpu"; None: the host's
+    backend) and resolves it; raises ConfigError naming the fix. Every backend-dependent choice reads
+    `platform` (the models' checks through `model.target_platform()`, the region's collectives through
+    `Parallelism.platform`), so a plan for a TPU topology compiled on a CPU host decides as on the TPU."""
+    platform = platform or jax.default_backend()
+    with model_lib.targeting(platform):
+        return _make_plan(config, num_devices, platform)
+
+
+def _make_plan(config, num_devices, platform):
     sizes = mesh_lib.resolve_axis_sizes(config.mesh, num_devices)
     cls = model_lib.model_class(config.model.name)
     _check_model_keys(config, cls)
@@ -101,7 +111,8 @@ def make_plan(config, num_devices: int) -> Plan:
     _check_params(config, sizes, rules, abstract_params, logical)
     _check_explicit_rules(sizes if "expert" in cls.parallel_axes else {**sizes, "expert": 1}, rules, logical)
     _check_muon_exclude(config, rules)
-    kernels = dict(attention_block=int(config.model.attention_block), loss_chunk=int(config.model.loss_chunk))
+    kernels = dict(attention_block=int(config.model.attention_block), loss_chunk=int(config.model.loss_chunk),
+                   platform=platform)
     par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding
     # `expert` is explicit only for a model that declares it; for others it is one more batch axis.
     expert = sizes["expert"] if "expert" in cls.parallel_axes else 1
@@ -111,7 +122,7 @@ def make_plan(config, num_devices: int) -> Plan:
                           rules=tuple(rules.items()), **kernels)
     return Plan(config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls,
                 model_config=model_config, graphdef=graphdef, abstract_params=abstract_params, logical=logical,
-                parallelism=par, schedule=schedule)
+                parallelism=par, schedule=schedule, platform=platform)
 
 
 def _check_model_keys(config, cls):

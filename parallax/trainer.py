@@ -50,7 +50,8 @@ class Trainer:
             devices = list(jax.devices() if devices is None else devices)
         plan = config_or_plan
         if not isinstance(plan, Plan):
-            plan = make_plan(config_or_plan, len(devices) if mesh is None else mesh.size)
+            plan = make_plan(config_or_plan, len(devices) if mesh is None else mesh.size,
+                             devices[0].platform if mesh is None else None)
         self.plan, self.config = plan, plan.config
         self.mesh = plan.make_mesh(devices) if mesh is None else mesh
         self.path = make_path(plan, self.mesh)

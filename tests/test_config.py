@@ -126,3 +126,24 @@ def test_readme_python_tour_runs_up_to_training(monkeypatch):
     monkeypatch.chdir(ROOT)  # the README's paths are relative to the checkout
     exec(setup, scope)  # noqa: S102 -- the README's own code
     assert scope["config"].train.steps == 100
+
+
+def test_platform_flags_are_added_per_platform_and_a_users_setting_wins():
+    from parallax.mesh import PLATFORM_FLAGS, TPU_FUSION_FLAGS, apply_platform_flags, detect_platform
+
+    env = {"LIBTPU_INIT_ARGS": "--xla_tpu_overlap_compute_collective_tc=false --my_flag=1"}
+    variable, added = apply_platform_flags("tpu", env, generation="v5p")
+    assert variable == "LIBTPU_INIT_ARGS" and "--xla_tpu_overlap_compute_collective_tc=true" not in added
+    assert env[variable].split() == ["--xla_tpu_overlap_compute_collective_tc=false", "--my_flag=1", *added]
+    assert len(added) == len(PLATFORM_FLAGS["tpu"][1]) - 1 and not set(added) & set(TPU_FUSION_FLAGS[1])
+    assert apply_platform_flags("tpu", env, generation="v5p") == ("LIBTPU_INIT_ARGS", [])  # idempotent
+    assert apply_platform_flags("tpu", env, generation="v5e")[1] == list(TPU_FUSION_FLAGS[1])  # v5e only
+    env = {}
+    assert apply_platform_flags("gpu", env) == ("XLA_FLAGS", ["--xla_gpu_enable_latency_hiding_scheduler=true"])
+    assert apply_platform_flags("cpu", env) == ("", []) and list(env) == ["XLA_FLAGS"]
+    old = os.environ.get("JAX_PLATFORMS")
+    try:
+        os.environ["JAX_PLATFORMS"] = "cuda,cpu"
+        assert detect_platform() == "gpu"
+    finally:
+        os.environ.pop("JAX_PLATFORMS") if old is None else os.environ.update(JAX_PLATFORMS=old)

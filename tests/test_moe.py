@@ -448,3 +448,41 @@ def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path,
     second = train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
     assert [r["step"] for r in second.history] == [3, 4]
     assert all(np.isfinite(x) and 0 < x < 10 for x in (first.eval_loss, second.eval_loss))
+
+
+def test_a_tpu_target_plan_takes_no_cpu_only_branch():
+    """`make_plan(..., platform="tpu")` (what launch/plan.py --topology passes) decides as a TPU run would: ragged
+    dispatch with an expert axis is allowed, and the region's bf16 collectives stay bf16; for cpu both take
+    XLA:CPU's branch. The lowered (not compiled: XLA:CPU has no ragged_all_to_all) train step shows both."""
+    from parallax.parallel.tensor import reduction_dtype
+    from parallax.trainer import Trainer
+
+    config = moe_config(data=2, expert=2, tensor=2)
+    config.model.moe.dispatch = "ragged"
+    config.model.dtype = "bfloat16"
+    with pytest.raises(ConfigError, match="ragged_all_to_all is not implemented on XLA:CPU"):
+        make_plan(config, 8, platform="cpu")
+    plan = make_plan(config, 8, platform="tpu")
+    assert plan.platform == plan.parallelism.platform == "tpu"
+    assert reduction_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16 and reduction_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    trainer = Trainer(plan, devices=jax.devices()[:8])
+    shape = (config.train.global_batch_size, config.train.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
+                                     sharding=trainer.batch_shardings[k])
+             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    traced = trainer.loss_and_grads.trace(trainer.abstract_state()["params"], batch)
+    seen = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("all_gather", "reduce_scatter", "ragged_all_to_all"):
+                seen.setdefault(eqn.primitive.name, set()).add(str(eqn.invars[0].aval.dtype))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(traced.jaxpr.jaxpr)
+    assert "ragged_all_to_all" in seen, seen
+    assert seen["reduce_scatter"] == {"bfloat16"} and "bfloat16" in seen["all_gather"], seen  # cpu: float32

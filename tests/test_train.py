@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_parity, loss_grads_and_steps, tiny_config
+from helpers import assert_parity, loss_grads_and_steps, run_launcher, tiny_config
 from parallax.train import TrainingError, train_and_evaluate
 from parallax.trainer import Trainer
 
@@ -126,3 +126,11 @@ def test_nan_policy_skip_applies_nothing_and_logs_the_lr_applied():
     for a, b in zip(jax.tree.leaves((skipped["params"], skipped["opt_state"])),
                     jax.tree.leaves((clean["params"], clean["opt_state"]))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_device_benchmark_runs_in_smoke_mode_on_cpu():
+    """`launch/bench.py --part=device` is the script for a GPU / TPU machine; --smoke runs it tiny on CPU."""
+    r = run_launcher("bench", "--part=device", "--smoke", "--cpu_devices=2", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("| llama-1b", "| moe-small"))]
+    assert len(rows) == 2 and all(float(row.split("|")[4].replace(",", "")) > 0 for row in rows), r.stdout

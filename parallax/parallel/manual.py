@@ -80,6 +80,7 @@ class Parallelism:
     rules: tuple = ()
     attention_block: int = 512  # blockwise attention tile (0: the reference, [T, T] logits)
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk (0: the whole sequence at once)
+    platform: str = "cpu"  # the platform of the devices compiled for (the plan's), not the host's backend
 
     @property
     def manual(self) -> bool:
@@ -126,11 +127,11 @@ class Parallelism:
 
     def gather_seq(self, x):
         """[B, T/(s*t), D] -> [B, T/s, D] (all-gather over `tensor`); identity when tensor == 1."""
-        return tensor.gather_seq(x) if self.tensor > 1 else x
+        return tensor.gather_seq(x, platform=self.platform) if self.tensor > 1 else x
 
     def scatter_seq(self, y):
         """Partial sums [B, T/s, D] -> [B, T/(s*t), D] (reduce-scatter over `tensor`); identity when tensor == 1."""
-        return tensor.scatter_seq(y) if self.tensor > 1 else y
+        return tensor.scatter_seq(y, platform=self.platform) if self.tensor > 1 else y
 
     def split_seq(self, x):
         """[B, T/s, ...] -> this tensor rank's [B, T/(s*t), ...] (a slice, no communication); identity when
@@ -149,7 +150,7 @@ class Parallelism:
         are taken from the fp32 table and cast, so the table's gradient is accumulated in fp32."""
         table = self.weight(table_param)
         if self.tensor > 1:
-            return vocab.vocab_parallel_embed(table.astype(dtype), tokens)  # (B, T/(s*t), D)
+            return vocab.vocab_parallel_embed(table.astype(dtype), tokens, platform=self.platform)  # (B, T/(s*t), D)
         table = constrain(table, ("vocab", None))  # gather FSDP shards of the table before the lookup
         return constrain(jnp.take(table, tokens, axis=0).astype(dtype), ("batch", "length", "act_embed"))
 
@@ -165,7 +166,8 @@ class Parallelism:
             _log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised)")
             return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq")
         if self.attention_kind == "allgather":
-            return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend)
+            return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend,
+                                                platform=self.platform)
         raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses', 'ring' "
                          f"or 'allgather'")
 

@@ -282,7 +282,8 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
 # All-gather (context parallelism as in Llama 3)
 
 
-def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference):
+def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference,
+                        platform: str | None = None):
     """Local queries attend the whole sequence's keys: one all-gather of k|v over `axis_name` per call.
 
     Local shards in `ring_layout` order (rank i holds zigzag chunks i and 2s-1-i, so every rank has the
@@ -299,7 +300,7 @@ def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "se
     check_sequence_parallel("allgather", s, q.shape[2], k.shape[2], q.shape[1] * s)
     # In `reduction_dtype` (fp32 for bf16 on XLA:CPU only): the transpose, a reduce-scatter of the k|v
     # cotangents, would otherwise abort XLA:CPU's compile inside the pipeline executor's switch branches.
-    dt = reduction_dtype(k.dtype)
+    dt = reduction_dtype(k.dtype, platform)
     kv = jnp.stack([k, v]).astype(dt)  # (2, B, T/s, K, Dh)
     kv = jax.lax.all_gather(kv, axis_name, axis=2, tiled=True).astype(k.dtype)  # (2, B, T, K, Dh), zigzag order
     kv = ring_unlayout(kv, s, axis=2)  # (2, B, T, K, Dh) in sequence order

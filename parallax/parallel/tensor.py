@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 
-def reduction_dtype(dtype):
-    """The dtype a cross-device sum of `dtype` values runs in.
+def reduction_dtype(dtype, platform: str | None = None):
+    """The dtype a cross-device sum of `dtype` values runs in, on `platform` (the devices compiled for:
+    `Parallelism.platform`, which the plan takes from the mesh's devices; None: `jax.default_backend()`).
 
     On XLA:CPU, bf16 / f16: float32. XLA:CPU sums those in f32 anyway (its AllReducePromotion pass), but that
     pass aborts the compile (`hlo_instruction.cc: Invalid binary instruction opcode copy`) when it meets a
@@ -32,25 +33,25 @@ def reduction_dtype(dtype):
     `loss_and_grads.lower(...).compile()`. On GPU / TPU the collective keeps the input dtype.
     """
     dtype = jnp.dtype(dtype)
-    if jax.default_backend() == "cpu" and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if (platform or jax.default_backend()) == "cpu" and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return jnp.dtype(jnp.float32)
     return dtype
 
 
-def gather_seq(x, axis_name: str = "tensor", axis: int = 1):
+def gather_seq(x, axis_name: str = "tensor", axis: int = 1, platform: str | None = None):
     """All-gathers the sequence shards before a column-parallel projection: [B, T/t, d] -> [B, T, d].
 
     Its gradient is `scatter_seq` of the cotangent (a reduce-scatter, in `reduction_dtype`).
     """
-    dt = reduction_dtype(x.dtype)
+    dt = reduction_dtype(x.dtype, platform)
     return jax.lax.all_gather(x.astype(dt), axis_name, axis=axis, tiled=True).astype(x.dtype)
 
 
-def scatter_seq(y, axis_name: str = "tensor", axis: int = 1):
+def scatter_seq(y, axis_name: str = "tensor", axis: int = 1, platform: str | None = None):
     """Sums partial results over `axis_name` and keeps this rank's sequence shard: [B, T, d] -> [B, T/t, d].
 
     Used after a row-parallel projection; its gradient is `gather_seq` of the cotangent. Sums in
     `reduction_dtype`.
     """
-    dt = reduction_dtype(y.dtype)
+    dt = reduction_dtype(y.dtype, platform)
     return jax.lax.psum_scatter(y.astype(dt), axis_name, scatter_dimension=axis, tiled=True).astype(y.dtype)

@@ -24,7 +24,8 @@ def _vocab_range(v_local: int, axis_name: str):
     return jax.lax.axis_index(axis_name) * v_local
 
 
-def vocab_parallel_embed(table_local, tokens, *, axis_name: str = "tensor", scatter_axis: int | None = 1):
+def vocab_parallel_embed(table_local, tokens, *, axis_name: str = "tensor", scatter_axis: int | None = 1,
+                         platform: str | None = None):
     """Looks up `tokens` in a vocabulary-sharded table and combines the ranks' rows.
 
     table_local: [V/t, d] (this rank's rows); tokens: [B, T] int, the same on every `axis_name` rank.
@@ -36,7 +37,7 @@ def vocab_parallel_embed(table_local, tokens, *, axis_name: str = "tensor", scat
     mine = (local_ids >= 0) & (local_ids < v_local)  # (B, T)
     rows = jnp.take(table_local, jnp.where(mine, local_ids, 0), axis=0)  # (B, T, d)
     rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))  # (B, T, d)
-    dtype, rows = rows.dtype, rows.astype(reduction_dtype(rows.dtype))
+    dtype, rows = rows.dtype, rows.astype(reduction_dtype(rows.dtype, platform))
     if scatter_axis is None:
         return jax.lax.psum(rows, axis_name).astype(dtype)  # (B, T, d)
     return jax.lax.psum_scatter(rows, axis_name, scatter_dimension=scatter_axis, tiled=True).astype(dtype)
