@@ -145,6 +145,11 @@ def activation_sharding(mesh, rules):
         _CONTEXT.reset(token)
 
 
+def activation_context():
+    """(mesh, rules) of the enclosing `activation_sharding`, or None (outside one, e.g. in a manual region)."""
+    return _CONTEXT.get()
+
+
 def constrain(x, names):
     """Constrains activation `x` to the sharding its logical `names` map to (no-op without a context)."""
     ctx = _CONTEXT.get()

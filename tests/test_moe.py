@@ -320,8 +320,9 @@ def test_ragged_model_matches_dropless_capacity_model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [dict(data=2), dict(tensor=2)], ids=str)
+@pytest.mark.parametrize("mesh", [dict(data=2), dict(fsdp=2), dict(tensor=2)], ids=str)
 def test_ragged_model_on_one_expert_rank_matches_single_device(mesh):
+    """data / fsdp: the dense path routes each batch shard on its own device (`moe._per_batch_shard`)."""
     def ragged(**mesh):
         c = moe_config(**mesh)
         c.model.moe.dispatch = "ragged"
