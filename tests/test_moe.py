@@ -487,3 +487,24 @@ def test_a_tpu_target_plan_takes_no_cpu_only_branch():
     walk(traced.jaxpr.jaxpr)
     assert "ragged_all_to_all" in seen, seen
     assert seen["reduce_scatter"] == {"bfloat16"} and "bfloat16" in seen["all_gather"], seen  # cpu: float32
+
+
+def test_dropless_routing_on_the_compiler_sharded_path_sorts_only_each_devices_rows():
+    """data 8, no manual region: the compiled step sorts B/8 * T * k assignments per device, never the global
+    batch's B * T * k (what GSPMD did with the sort left to it: every device routed every token)."""
+    import re
+
+    from parallax.trainer import Trainer
+
+    config = moe_config(data=8)
+    config.model.moe.dispatch = "ragged"
+    trainer = Trainer(config, jax.devices()[:8])
+    t = config.train
+    shape = (t.global_batch_size, t.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
+                                     sharding=trainer.batch_shardings[k])
+             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    text = trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch).compile().as_text()
+    sorted_lengths = {int(n) for n in re.findall(r"= \(?[su]32\[(\d+)\][^=]*? sort\(", text)}
+    local = t.global_batch_size // 8 * t.seq_len * config.model.moe.top_k
+    assert sorted_lengths == {local}, (sorted_lengths, local)
