@@ -104,6 +104,8 @@ def main(argv, overrides):
     print(report.table())
     if not fits:
         print("\ndoes not fit; try:\n" + "\n".join(f"- {a}" for a in advice(config, report, hbm_gib * GIB)))
+    if report.kernel_calls:
+        print(f"\nkernels: {report.kernel_calls} tpu_custom_call (Pallas / Mosaic) in the compiled step")
     print(f"\npeak_gib={report.peak / GIB:.2f} hbm_gib={hbm_gib:g} fits={'yes' if fits else 'no'}")
     sys.exit(0 if fits else 1)
 

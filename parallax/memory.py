@@ -66,6 +66,7 @@ class MemoryReport:
     xla_temp: int  # XLA: temporaries (activations, gradients, collectives' buffers, ...)
     pipeline: int = 0  # analytic: pipeline.schedule=2bw's in-flight state (previous weights, the pending
     #                    gradient, the batch in flight, activation slots and inbox); 0 for other schedules
+    kernel_calls: int = 0  # custom calls of hand-written kernels in the compiled step (Mosaic tpu_custom_call)
 
     @property
     def peak(self) -> int:
@@ -104,7 +105,9 @@ def memory_report(config, devices=None) -> MemoryReport:
     # XLA:TPU stops at its first estimate over the chip's HBM; this lets it finish, so a step that does not
     # fit still gets its full figures.
     options = {"xla_tpu_no_crash_on_oom": True} if devices[0].platform == "tpu" else None
-    memory = trainer.train_step.lower(state, batch).compile(compiler_options=options).memory_analysis()
+    compiled = trainer.train_step.lower(state, batch).compile(compiler_options=options)
+    memory = compiled.memory_analysis()
+    kernel_calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
     params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)
     grads = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s in
                 zip(jax.tree.leaves(trainer.abstract_params), jax.tree.leaves(trainer.param_shardings)))
@@ -115,7 +118,8 @@ def memory_report(config, devices=None) -> MemoryReport:
         batch=_bytes_on_device(batch, trainer.batch_shardings),
         xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
-        pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys))
+        pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys),
+        kernel_calls=kernel_calls)
 
 
 def advice(config, report: MemoryReport, hbm_bytes: float) -> list[str]:

@@ -22,6 +22,7 @@ from parallax import model as model_lib
 from parallax import optim as optim_lib
 from parallax import sharding
 from parallax.errors import ConfigError
+from parallax.parallel import splash as splash_lib
 from parallax.parallel.manual import Parallelism
 from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule
 from parallax.pipeline.validate import validate
@@ -112,7 +113,7 @@ def _make_plan(config, num_devices, platform):
     _check_explicit_rules(sizes if "expert" in cls.parallel_axes else {**sizes, "expert": 1}, rules, logical)
     _check_muon_exclude(config, rules)
     kernels = dict(attention_block=int(config.model.attention_block), loss_chunk=int(config.model.loss_chunk),
-                   platform=platform)
+                   platform=platform, attention_impl=_attention_impl(config, sizes, platform))
     par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding
     # `expert` is explicit only for a model that declares it; for others it is one more batch axis.
     expert = sizes["expert"] if "expert" in cls.parallel_axes else 1
@@ -123,6 +124,35 @@ def _make_plan(config, num_devices, platform):
     return Plan(config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls,
                 model_config=model_config, graphdef=graphdef, abstract_params=abstract_params, logical=logical,
                 parallelism=par, schedule=schedule, platform=platform)
+
+
+ATTENTION_IMPLS = ("auto", "blockwise", "splash")
+
+
+def _attention_impl(config, sizes, platform) -> str:
+    """`model.attention_impl` resolved for the target: splash where its layout and tiling allow it (auto: on
+    TPU), else blockwise (the reference with attention_block=0). Explicit splash where it cannot run is an error."""
+    m, t = config.model, config.train
+    impl = m.attention_impl
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"config.model.attention_impl={impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
+    layout_ok = sizes["seq"] == 1 or m.attention == "ulysses"  # each rank attends over one contiguous layout
+    tiles_ok = splash_lib.supports(int(t.seq_len), int(m.attention_block))
+    # Inside the manual region (tensor / seq / expert / pipe > 1) the shard_map checks varying axes, and the
+    # kernel's pallas_call outputs carry none (a ValueError at trace time): the compiler-sharded path only.
+    region = sizes["tensor"] > 1 or sizes["seq"] > 1 or sizes["pipe"] > 1 or (
+        sizes["expert"] > 1 and "expert" in model_lib.model_class(m.name).parallel_axes)
+    if impl == "splash" and (region or not (layout_ok and tiles_ok)):
+        why = ("inside the manual region (mesh.tensor, seq, expert or pipe > 1) its Pallas call has no "
+               "varying-axes types for the shard_map's check; use it with data / fsdp only" if region else
+               f"attention={m.attention!r} over mesh.seq={sizes['seq']} gives each rank zigzag chunks (use "
+               "dense or ulysses)" if not layout_ok else
+               f"train.seq_len={t.seq_len} with attention_block={m.attention_block} is not tiled by "
+               f"{splash_lib.MIN_BLOCK}-token multiples")
+        raise ConfigError(f"config.model.attention_impl='splash': {why}; or use attention_impl=blockwise")
+    if impl == "auto":
+        return "splash" if platform == "tpu" and layout_ok and tiles_ok and not region else "blockwise"
+    return impl
 
 
 def _check_model_keys(config, cls):

@@ -185,3 +185,52 @@ def test_chunked_loss_temp_holds_one_chunk_of_logits_not_the_batch():
     assert temps[64, 512] < 1.5 * temps[64, 256]
     assert temps[64, 512] < logits_bytes
     assert temps[0, 512] > 1.8 * temps[0, 256]  # unchunked: the logits dominate and double
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_splash_attention_matches_reference_and_grads_in_interpret_mode(kv_heads):
+    """The Pallas splash kernel (Pallas interpret mode on CPU: the TPU kernel's own code, not a stand-in)
+    on packed rows with several documents and end padding, 2 tiles of 128: values and gradients, fp32."""
+    from parallax.parallel import splash
+
+    rng = np.random.default_rng(kv_heads)
+    args = _inputs(rng, 2, 256, 4, kv_heads, 16)
+
+    def kernel(q, k, v, seg, pos):
+        return splash.splash_attention(q, k, v, seg, seg, pos, pos, platform="cpu", block=128)
+    _check_fwd_and_grads(kernel, _reference, args, (0, 1, 2), rng)
+
+
+@pytest.mark.slow
+def test_a_model_with_splash_attention_on_a_data_fsdp_mesh_matches_one_device_blockwise():
+    """attention_impl=splash on data 2 x fsdp 2 (the compiler-sharded path: the kernel runs per batch shard)
+    against attention_impl=blockwise on one device: loss and every gradient leaf at 1e-5."""
+    from helpers import assert_parity, loss_grads_and_steps
+    from parallax.plan import make_plan
+
+    def config(impl, **mesh):
+        c = tiny_config(**mesh)
+        c.model.update(attention_impl=impl, attention_block=128)
+        c.train.update(seq_len=128, global_batch_size=4)
+        return c
+    assert make_plan(config("auto"), 1, "tpu").parallelism.attention_impl == "splash"
+    assert make_plan(config("auto"), 1, "cpu").parallelism.attention_impl == "blockwise"
+    ref = loss_grads_and_steps(config("blockwise"), jax.devices()[:1], steps=1)
+    assert_parity(loss_grads_and_steps(config("splash", data=2, fsdp=2), jax.devices()[:4], steps=1), ref, TOL)
+
+
+def test_splash_where_it_cannot_run_is_a_config_error():
+    from parallax.errors import ConfigError
+    from parallax.plan import make_plan
+
+    c = tiny_config(seq=2, data=4)
+    c.model.update(attention="ring", attention_impl="splash")
+    c.train.seq_len = 256
+    with pytest.raises(ConfigError, match="attention_impl='splash': inside the manual region"):
+        make_plan(c, 8)
+    c = tiny_config()
+    c.model.attention_impl = "splash"  # seq_len 32
+    with pytest.raises(ConfigError, match="train.seq_len=32 .* not tiled by 128-token multiples"):
+        make_plan(c, 1)
+    c.model.attention_impl = "auto"
+    assert make_plan(c, 1, "tpu").parallelism.attention_impl == "blockwise"  # auto falls back

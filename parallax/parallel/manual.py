@@ -49,8 +49,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from parallax.parallel import flash, sequence, tensor, vocab
-from parallax.sharding import constrain, is_logical_names, logical_to_spec, param_logical_names, spec_axes
+from parallax.parallel import flash, sequence, splash, tensor, vocab
+from parallax.sharding import (activation_context, constrain, is_logical_names, logical_to_spec, param_logical_names,
+                               spec_axes)
 
 # Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
 MODEL_AXES = ("seq", "tensor")
@@ -61,6 +62,23 @@ EXPERT_AXES = {"experts": "expert"}
 # The name of gathered weights: `apply_blocks` never saves them for the backward (it gathers them again), or
 # every layer's full weights would stay live until the backward, undoing FSDP.
 GATHERED = "parallax_fsdp_gathered"
+
+
+
+def _per_batch_rows(fn, *batched):
+    """`fn(*batched)` (arrays with a leading batch dim) per batch shard when the compiler shards the step
+    (the dense path's `activation_sharding`): a shard_map over every axis, rows split over the batch axes.
+    A Pallas kernel is one custom call the compiler cannot partition, so left to it every device would run the
+    whole batch. Inside a manual region (no context) the arrays are already local: `fn` as it is."""
+    ctx = activation_context()
+    spec = logical_to_spec(("batch",), ctx[1], ctx[0]) if ctx is not None else P()
+    if not len(spec) or spec[0] is None:
+        return fn(*batched)
+    rows = P(spec[0])
+    # check_vma off: Pallas outputs carry no varying-axes annotation; every input and the output are split
+    # the same way over the batch axes and nothing is replicated, so no transpose needs a psum.
+    return jax.shard_map(fn, mesh=ctx[0], in_specs=(rows,) * len(batched), out_specs=rows,
+                         check_vma=False)(*batched)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +99,7 @@ class Parallelism:
     attention_block: int = 512  # blockwise attention tile (0: the reference, [T, T] logits)
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk (0: the whole sequence at once)
     platform: str = "cpu"  # the platform of the devices compiled for (the plan's), not the host's backend
+    attention_impl: str = "blockwise"  # the local attention kernel: blockwise | splash (the plan resolves auto)
 
     @property
     def manual(self) -> bool:
@@ -172,7 +191,14 @@ class Parallelism:
                          f"or 'allgather'")
 
     def _attend(self, q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
-        """Full-sequence attention on local heads: blockwise (`attention_block` > 0) or the reference."""
+        """Full-sequence attention on local heads: splash (`attention_impl`), blockwise (`attention_block` > 0)
+        or the reference."""
+        if self.attention_impl == "splash":
+            mode = "Mosaic kernel" if self.platform == "tpu" else "Pallas interpret mode"
+            _log_once(f"attention kernel: splash ({mode}, {min(self.attention_block or 512, q.shape[1])}-token "
+                      f"tiles; parallax.parallel.splash)")
+            fn = functools.partial(splash.splash_attention, platform=self.platform, block=self.attention_block)
+            return _per_batch_rows(fn, q, k, v, q_segment_ids, kv_segment_ids)
         if self.attention_block:
             _log_once(f"attention kernel: blockwise, {self.attention_block}-token tiles (parallax.parallel.flash)")
             return flash.blockwise_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
