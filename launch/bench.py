@@ -384,7 +384,8 @@ def bench_device(steps: int, smoke: bool):
         dt, loss = _time_steps(trainer, make_dataset(config), steps)
         record = throughput(trainer.plan, trainer.mesh).metrics(dt)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a (peak unknown)"
-        attention = f"blockwise ({config.model.attention_block})" if config.model.attention_block else "reference"
+        impl = trainer.plan.parallelism.attention_impl
+        attention = f"{impl} ({config.model.attention_block})" if config.model.attention_block else "reference"
         print(f"| {name} | {trainer.num_params / 1e9:.3g}B | {attention} | "
               f"{record['tokens_per_sec_per_device']:,.0f} | {dt:.3f} | {mfu} | {loss:.3f} |", flush=True)
 

@@ -97,11 +97,22 @@ def _per_batch_shard(fn, h, idx, gates, weights, names):
         return fn(h, idx, gates, *weights)
     P = jax.sharding.PartitionSpec
     rows = P(spec[0])
+    batch_axes = set(sharding_lib.spec_axes(spec[0]))
     w_specs = tuple(sharding_lib.logical_to_spec(n, rules, mesh) for n in names)
+    w_axes = [{a for e in s for a in sharding_lib.spec_axes(e)} for s in w_specs]
+    if any(not axes <= batch_axes for axes in w_axes):  # a weight split over a non-batch axis: left to GSPMD
+        return fn(h, idx, gates, *weights)
+    pcast = getattr(jax.lax, "pcast", None)
 
     def per_shard(h, idx, gates, *local):
         whole = []
-        for w, w_spec in zip(local, w_specs):
+        for w, w_spec, axes in zip(local, w_specs, w_axes):
+            # Varying over the other batch axes *before* the gather: the backward then sums the shard's
+            # gradient over them (a psum of 1/fsdp of the weight) and reduce-scatters, instead of all-reducing
+            # the whole gathered gradient over `data`.
+            extra = tuple(a for a in mesh.axis_names if a in batch_axes and a not in axes)
+            if extra:
+                w = pcast(w, extra, to="varying") if pcast is not None else jax.lax.pvary(w, extra)
             for dim, entry in enumerate(w_spec):
                 axes = sharding_lib.spec_axes(entry)
                 if axes:

@@ -50,14 +50,15 @@ PLATFORM_FLAGS = {
 
 def detect_platform() -> str:
     """The accelerator this process will run on, found before jax starts (the flags must be set first):
-    `JAX_PLATFORMS`' first entry if set, else a TPU (libtpu installed and an accel / vfio device), else an
+    `JAX_PLATFORMS`' first entry if set, else a TPU (libtpu installed, and /dev/accel0 or a TPU VM's
+    TPU_ACCELERATOR_TYPE), else an
     NVIDIA GPU (/dev/nvidia0), else cpu."""
     import importlib.util
 
     named = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
     if named:
         return {"cuda": "gpu", "rocm": "gpu"}.get(named, named)
-    if importlib.util.find_spec("libtpu") and (os.path.exists("/dev/accel0") or os.path.isdir("/dev/vfio")):
+    if importlib.util.find_spec("libtpu") and (os.path.exists("/dev/accel0") or "TPU_ACCELERATOR_TYPE" in os.environ):
         return "tpu"
     return "gpu" if os.path.exists("/dev/nvidia0") else "cpu"
 

@@ -142,6 +142,9 @@ def _attention_impl(config, sizes, platform) -> str:
     # kernel's pallas_call outputs carry none (a ValueError at trace time): the compiler-sharded path only.
     region = sizes["tensor"] > 1 or sizes["seq"] > 1 or sizes["pipe"] > 1 or (
         sizes["expert"] > 1 and "expert" in model_lib.model_class(m.name).parallel_axes)
+    if impl == "splash" and platform == "gpu":
+        raise ConfigError("config.model.attention_impl='splash': a TPU kernel; on gpu it would run in Pallas "
+                          "interpret mode (for CPU tests only); use attention_impl=blockwise or auto")
     if impl == "splash" and (region or not (layout_ok and tiles_ok)):
         why = ("inside the manual region (mesh.tensor, seq, expert or pipe > 1) its Pallas call has no "
                "varying-axes types for the shard_map's check; use it with data / fsdp only" if region else

@@ -11,6 +11,7 @@ as training, forward only.
 
 from __future__ import annotations
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import optax
@@ -50,10 +51,15 @@ class Trainer:
             devices = list(jax.devices() if devices is None else devices)
         plan = config_or_plan
         if not isinstance(plan, Plan):
+            concrete = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
             plan = make_plan(config_or_plan, len(devices) if mesh is None else mesh.size,
-                             devices[0].platform if mesh is None else None)
+                             devices[0].platform if mesh is None else concrete)
         self.plan, self.config = plan, plan.config
         self.mesh = plan.make_mesh(devices) if mesh is None else mesh
+        actual = self.mesh.devices.flat[0].platform if isinstance(self.mesh, jax.sharding.Mesh) else None
+        if actual is not None and actual != plan.platform:
+            logging.warning("parallax: a plan made for %s runs on %s devices: its backend choices (kernels, "
+                            "collective dtypes) are %s's", plan.platform, actual, plan.platform)
         self.path = make_path(plan, self.mesh)
         self.abstract_params, self.logical = plan.abstract_params, plan.logical
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, plan.rules)

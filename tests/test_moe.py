@@ -508,3 +508,41 @@ def test_dropless_routing_on_the_compiler_sharded_path_sorts_only_each_devices_r
     sorted_lengths = {int(n) for n in re.findall(r"= \(?[su]32\[(\d+)\][^=]*? sort\(", text)}
     local = t.global_batch_size // 8 * t.seq_len * config.model.moe.top_k
     assert sorted_lengths == {local}, (sorted_lengths, local)
+
+
+def test_dropless_per_shard_expert_gradients_are_reduce_scattered_not_all_reduced_whole():
+    """data 2 x fsdp 2: each expert weight's gradient is summed over `data` on its fsdp shard and reduce-
+    scattered over `fsdp`; no all-reduce carries a whole gathered [E, D, F] expert weight (the first
+    version of the per-shard path all-reduced the gathered gradient over `data`)."""
+    from parallax.trainer import Trainer
+
+    config = moe_config(data=2, fsdp=2)
+    config.model.moe.update(dispatch="ragged", d_ff_expert=48)
+    trainer = Trainer(config, jax.devices()[:4])
+    t = config.train
+    shape = (t.global_batch_size, t.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
+                                     sharding=trainer.batch_shardings[k])
+             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    text = trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch).compile().as_text()
+    e, d, f = config.model.moe.num_experts, config.model.d_model, 48
+    whole = {f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]"}
+    reducing = [line for line in text.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line]
+    assert not [line for line in reducing if any(w in line.split("=")[1].split("all-reduce")[0] for w in whole)], \
+        reducing
+
+
+def test_dropless_with_weights_split_over_a_non_batch_axis_is_left_to_the_compiler():
+    """rows over `data` only, weights over `fsdp` too: the per-shard path would leave the gathered weights
+    varying over `fsdp`; it falls back to the compiler's sharding and the step traces."""
+    from parallax.trainer import Trainer
+
+    config = moe_config(data=2, fsdp=2)
+    config.model.moe.dispatch = "ragged"
+    config.sharding.rules.batch = ("data",)
+    trainer = Trainer(config, jax.devices()[:4])
+    t = config.train
+    batch = {k: jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), jnp.float32 if k == "weights" else jnp.int32,
+                                     sharding=trainer.batch_shardings[k])
+             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch)

@@ -98,7 +98,7 @@ class Parallelism:
     rules: tuple = ()
     attention_block: int = 512  # blockwise attention tile (0: the reference, [T, T] logits)
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk (0: the whole sequence at once)
-    platform: str = "cpu"  # the platform of the devices compiled for (the plan's), not the host's backend
+    platform: str | None = None  # of the devices compiled for (the plan's); None: the host's backend
     attention_impl: str = "blockwise"  # the local attention kernel: blockwise | splash (the plan resolves auto)
 
     @property
@@ -194,7 +194,7 @@ class Parallelism:
         """Full-sequence attention on local heads: splash (`attention_impl`), blockwise (`attention_block` > 0)
         or the reference."""
         if self.attention_impl == "splash":
-            mode = "Mosaic kernel" if self.platform == "tpu" else "Pallas interpret mode"
+            mode = "Mosaic kernel" if (self.platform or jax.default_backend()) == "tpu" else "Pallas interpret mode"
             _log_once(f"attention kernel: splash ({mode}, {min(self.attention_block or 512, q.shape[1])}-token "
                       f"tiles; parallax.parallel.splash)")
             fn = functools.partial(splash.splash_attention, platform=self.platform, block=self.attention_block)

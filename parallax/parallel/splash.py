@@ -7,6 +7,11 @@ packed document are its positions shifted by a constant (a row's documents are c
 one), and segment ids mask the other documents. So it is not for the ring / all-gather layouts, whose
 local queries and keys are zigzag chunks (those keep the blockwise kernel; the plan refuses the pair).
 
+One difference, on padding only: `parallax.data` gives padding segment 0 and position 0, so in the
+reference every padding query sees every padding key, here only the earlier ones. Padding carries weight 0,
+so a loss differs only where a padding token's output reaches a real one: in an MoE layer with capacity
+dispatch, padding competes for slots (a row padded at the end: an eval split shorter than a row).
+
 Grouped-query attention runs as the kernel's multi-query form per kv head: q [B, T, K, G, Dh] -> for each
 batch row and kv head, G query heads against one k / v (vmapped), so k and v are never repeated. The kernel
 leaves the 1/sqrt(Dh) scale to the caller. Off TPU it runs in Pallas interpret mode (the tests' CPU path:
@@ -30,7 +35,7 @@ def supports(seq_len: int, block: int) -> bool:
 
 
 def splash_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None, *,
-                     platform: str = "tpu", block: int = 512):
+                     platform: str | None = None, block: int = 512):
     """q [B, T, H, Dh]; k, v [B, T, K, Dh] (H % K == 0); segment ids [B, T] -> [B, T, H, Dh] in q's dtype."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -46,7 +51,8 @@ def splash_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions=None, k
     sizes = sk.BlockSizes(block_q=bt, block_kv=bt, block_kv_compute=bt, block_q_dkv=bt, block_kv_dkv=bt,
                           block_kv_dkv_compute=bt, block_q_dq=bt, block_kv_dq=bt)
     mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(g)])
-    kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=platform != "tpu")
+    kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes,
+                                              interpret=(platform or jax.default_backend()) != "tpu")
     qg = (q * jnp.asarray(dh ** -0.5, q.dtype)).reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, Dh)
     kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, T, Dh)
 
