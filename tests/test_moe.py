@@ -451,6 +451,14 @@ def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path,
     assert all(np.isfinite(x) and 0 < x < 10 for x in (first.eval_loss, second.eval_loss))
 
 
+def _abstract_batch(trainer):
+    """The train batch as ShapeDtypeStructs on the trainer's batch shardings (for lowering without data)."""
+    from parallax.plan import abstract_batch
+
+    return {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
+            for k, a in abstract_batch(trainer.config).items()}
+
+
 def test_a_tpu_target_plan_takes_no_cpu_only_branch():
     """`make_plan(..., platform="tpu")` (what launch/plan.py --topology passes) decides as a TPU run would: ragged
     dispatch with an expert axis is allowed, and the region's bf16 collectives stay bf16; for cpu both take
@@ -467,10 +475,7 @@ def test_a_tpu_target_plan_takes_no_cpu_only_branch():
     assert plan.platform == plan.parallelism.platform == "tpu"
     assert reduction_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16 and reduction_dtype(jnp.bfloat16, "cpu") == jnp.float32
     trainer = Trainer(plan, devices=jax.devices()[:8])
-    shape = (config.train.global_batch_size, config.train.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
-                                     sharding=trainer.batch_shardings[k])
-             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    batch = _abstract_batch(trainer)
     traced = trainer.loss_and_grads.trace(trainer.abstract_state()["params"], batch)
     seen = {}
 
@@ -499,14 +504,10 @@ def test_dropless_routing_on_the_compiler_sharded_path_sorts_only_each_devices_r
     config = moe_config(data=8)
     config.model.moe.dispatch = "ragged"
     trainer = Trainer(config, jax.devices()[:8])
-    t = config.train
-    shape = (t.global_batch_size, t.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
-                                     sharding=trainer.batch_shardings[k])
-             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    batch = _abstract_batch(trainer)
     text = trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch).compile().as_text()
     sorted_lengths = {int(n) for n in re.findall(r"= \(?[su]32\[(\d+)\][^=]*? sort\(", text)}
-    local = t.global_batch_size // 8 * t.seq_len * config.model.moe.top_k
+    local = config.train.global_batch_size // 8 * config.train.seq_len * config.model.moe.top_k
     assert sorted_lengths == {local}, (sorted_lengths, local)
 
 
@@ -519,11 +520,7 @@ def test_dropless_per_shard_expert_gradients_are_reduce_scattered_not_all_reduce
     config = moe_config(data=2, fsdp=2)
     config.model.moe.update(dispatch="ragged", d_ff_expert=48)
     trainer = Trainer(config, jax.devices()[:4])
-    t = config.train
-    shape = (t.global_batch_size, t.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
-                                     sharding=trainer.batch_shardings[k])
-             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    batch = _abstract_batch(trainer)
     text = trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch).compile().as_text()
     e, d, f = config.model.moe.num_experts, config.model.d_model, 48
     whole = {f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]"}
@@ -541,8 +538,5 @@ def test_dropless_with_weights_split_over_a_non_batch_axis_is_left_to_the_compil
     config.model.moe.dispatch = "ragged"
     config.sharding.rules.batch = ("data",)
     trainer = Trainer(config, jax.devices()[:4])
-    t = config.train
-    batch = {k: jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), jnp.float32 if k == "weights" else jnp.int32,
-                                     sharding=trainer.batch_shardings[k])
-             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    batch = _abstract_batch(trainer)
     trainer.loss_and_grads.lower(trainer.abstract_state()["params"], batch)
