@@ -56,6 +56,7 @@ from parallax import model as model_lib
 from parallax import sharding as sharding_lib
 from parallax.model import DENSE, Model, Parallelism, apply_blocks, attention_flops_per_token, param_flops_per_token
 from parallax.parallel import expert as ep_lib
+from parallax.parallel.manual import log_once
 
 MOE_DEFAULTS = dict(
     num_experts=8,
@@ -67,6 +68,9 @@ MOE_DEFAULTS = dict(
     norm_topk=True,  # renormalise the k gates to sum to 1
     dispatch="capacity",  # capacity (all-to-all, fixed slots) | ragged (dropless grouped matmul; ragged_all_to_all)
     capacity_factor=2.0,  # slots per expert and row = ceil(factor * T * k / E); 0: T slots (drops nothing)
+    grouped_impl="auto",  # ragged dispatch's grouped matmuls: auto (megablox on TPU) | ragged_dot | megablox
+    ff_chunks=1,
+    ep_buffer=0.0,  # ragged over mesh.expert: receive buffer in balanced shares (0: worst case, dropless)  # ragged dispatch: the expert width in this many slices, one live at a time (memory)
     dispatch_chunks=1,  # capacity dispatch in this many row groups, so all-to-alls overlap expert matmuls
     balance_weight=0.01,  # Switch load-balancing loss weight
     z_weight=0.001,  # router z-loss weight
@@ -78,33 +82,77 @@ ROUTERS = ("softmax", "sigmoid")
 DISPATCH = ("capacity", "ragged")
 
 
+def _whole(ws):
+    return ws
+
+
+def _grouped_swiglu(xs, sizes, ws, gather, chunks: int, mm):
+    """The experts' SwiGLU on rows xs [M, D] grouped by expert: silu(xs Wg) * (xs Wu) then Wd, each `mm` a
+    grouped matmul. `ws` = (wg [E, D, F], wu, wd [E, F, D]) as held (FSDP shards on the compiler-sharded
+    path), `gather(ws)` the whole weights.
+
+    `chunks` > 1 (`moe.ff_chunks`): the expert width F is cut into that many slices, run one after another
+    in a `lax.scan` whose step gathers its slice of the three weights and is rematerialised: the output is
+    the sum of the slices' (SwiGLU is a sum over F), and only one slice of the gathered weights, of their
+    gradients and of the [M, F] intermediates is live at a time, forward and backward. The price is one
+    more forward of the expert matmuls in the backward. The slices cut each rank's local F, and all three
+    weights the same way, so any layout of F over the mesh gathers to the same permutation of F for all
+    three (a SwiGLU does not depend on the order of its hidden units)."""
+    def swiglu(wg, wu, wd):
+        return mm(jax.nn.silu(mm(xs, wg)) * mm(xs, wu), wd)
+
+    if chunks <= 1:
+        return swiglu(*gather(ws))
+    wg, wu, wd = ws
+    f = wg.shape[2]
+    if f % chunks:
+        raise ValueError(f"moe.ff_chunks={chunks} does not divide this rank's expert width {f}; use a divisor")
+    e, c = wg.shape[0], f // chunks
+
+    def split_cols(w):  # [E, D, F] -> [chunks, E, D, F/chunks]
+        return jnp.moveaxis(w.reshape(e, w.shape[1], chunks, c), 2, 0)
+    slices = (split_cols(wg), split_cols(wu), jnp.moveaxis(wd.reshape(e, chunks, c, wd.shape[2]), 1, 0))
+
+    @jax.checkpoint
+    def part(w_slice):
+        return swiglu(*gather(w_slice)).astype(jnp.float32)
+
+    def step(acc, w_slice):
+        return acc + part(w_slice), None
+    # The first slice starts the sum: its type (varying axes inside a shard_map) is the carry's.
+    acc, _ = jax.lax.scan(step, part(jax.tree.map(lambda a: a[0], slices)), jax.tree.map(lambda a: a[1:], slices))
+    return acc.astype(xs.dtype)
+
+
 def _per_batch_shard(fn, h, idx, gates, weights, names):
-    """`fn(h, idx, gates, *weights)` run per batch shard under the compiler's sharding (the dense path: no
-    manual region): a `shard_map` over every mesh axis, the rows split over the batch axes, each weight
-    entering with its own sharding (logical `names`) and all-gathered inside, so its gradient leaves as a
-    reduce-scatter (FSDP), not an all-reduce of the whole expert weights.
+    """`fn(gather, h, idx, gates, *weights)` run per batch shard under the compiler's sharding (the dense
+    path: no manual region): a `shard_map` over every mesh axis, the rows split over the batch axes, each
+    weight entering with its own sharding (logical `names`) as `fn`'s local shard, and `gather(ws)` giving
+    whole weights from shards (all-gathers inside, so a gradient leaves as a reduce-scatter (FSDP), not an
+    all-reduce of the whole expert weights). `fn` gathers where it needs them (a slice at a time with
+    `moe.ff_chunks`).
 
     Why: dropless routing sorts all of a shard's assignments by expert; left to GSPMD, the sort of the
     flattened [B*T*k] assignments cannot be partitioned, so every device sorted, gathered and ran the whole
     global batch's tokens (Mixtral 8x7B at fsdp 64 on v5p: 241 GiB of temporaries, 23 GiB with this).
-    Outside a sharding context (one device, a manual region) it is `fn`."""
+    Outside a sharding context (one device, a manual region) it is `fn` with whole weights."""
     ctx = sharding_lib.activation_context()
     if ctx is None:
-        return fn(h, idx, gates, *weights)
+        return fn(_whole, h, idx, gates, *weights)
     mesh, rules = ctx
     spec = sharding_lib.logical_to_spec(("batch",), rules, mesh)
     if not len(spec) or spec[0] is None:
-        return fn(h, idx, gates, *weights)
+        return fn(_whole, h, idx, gates, *weights)
     P = jax.sharding.PartitionSpec
     rows = P(spec[0])
     batch_axes = set(sharding_lib.spec_axes(spec[0]))
     w_specs = tuple(sharding_lib.logical_to_spec(n, rules, mesh) for n in names)
     w_axes = [{a for e in s for a in sharding_lib.spec_axes(e)} for s in w_specs]
     if any(not axes <= batch_axes for axes in w_axes):  # a weight split over a non-batch axis: left to GSPMD
-        return fn(h, idx, gates, *weights)
+        return fn(_whole, h, idx, gates, *weights)
     pcast = getattr(jax.lax, "pcast", None)
 
-    def per_shard(h, idx, gates, *local):
+    def gather(local):
         whole = []
         for w, w_spec, axes in zip(local, w_specs, w_axes):
             # Varying over the other batch axes *before* the gather: the backward then sums the shard's
@@ -118,7 +166,10 @@ def _per_batch_shard(fn, h, idx, gates, weights, names):
                 if axes:
                     w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
             whole.append(w)
-        return fn(h, idx, gates, *whole)
+        return tuple(whole)
+
+    def per_shard(h, idx, gates, *local):
+        return fn(gather, h, idx, gates, *local)
 
     region = jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, rows, rows, *w_specs), out_specs=(rows, rows, rows))
     return region(h, idx, gates, *weights)
@@ -134,6 +185,9 @@ class MoESettings:
     router_scale: float
     norm_topk: bool
     dispatch: str
+    grouped_impl: str
+    ff_chunks: int
+    ep_buffer: float
     capacity_factor: float
     dispatch_chunks: int
     balance_weight: float
@@ -207,17 +261,21 @@ class MoEBlocks(llama.Blocks):
         wg, wu, wd = w(self.we_gate, dt), w(self.we_up, dt), w(self.we_down, dt)  # (E/ep, D, F/t), (E/ep, F/t, D)
         h = h.astype(dt)
         if moe.dispatch == "ragged":
-            def grouped_with(wg, wu, wd):
+            impl = ep_lib.grouped_impl(moe.grouped_impl, par.platform)
+            log_once(f"grouped matmuls: {impl} (moe.grouped_impl={moe.grouped_impl}), "
+                     f"{moe.ff_chunks} chunk(s) of the expert width")
+
+            def grouped_with(gather, ws):
                 def grouped(xs, sizes):  # (M, D) sorted by expert, sizes (E,)
-                    act = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
-                    return jax.lax.ragged_dot(act, wd, sizes)
+                    return _grouped_swiglu(xs, sizes, ws, gather, moe.ff_chunks,
+                                           lambda x, w: ep_lib.grouped_matmul(x, w, sizes, impl, par.platform))
                 return grouped
-            grouped = grouped_with(wg, wu, wd)
             if par.expert > 1:
-                return ep_lib.moe_ragged_ep(h, idx, gates, moe.num_experts, grouped, par.expert)
+                return ep_lib.moe_ragged_ep(h, idx, gates, moe.num_experts, grouped_with(_whole, (wg, wu, wd)),
+                                            par.expert, buffer=float(moe.ep_buffer))
             names = [p.logical[1:] for p in (self.we_gate, self.we_up, self.we_down)]  # one layer's
-            return _per_batch_shard(lambda h, idx, gates, wg, wu, wd: ep_lib.moe_ragged(
-                h, idx, gates, moe.num_experts, grouped_with(wg, wu, wd)), h, idx, gates, (wg, wu, wd), names)
+            return _per_batch_shard(lambda gather, h, idx, gates, *ws: ep_lib.moe_ragged(
+                h, idx, gates, moe.num_experts, grouped_with(gather, ws)), h, idx, gates, (wg, wu, wd), names)
 
         def experts(xe):  # (E/ep, G, C, D)
             act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, wg)) * jnp.einsum("egcd,edf->egcf", xe, wu)
@@ -262,16 +320,25 @@ class MoE(Model):
             key = sorted(missing or extra)[0]
             raise ConfigError(f"config.model.moe.{key}: {'missing' if missing else 'not a key of model.moe'} "
                               f"(its keys: {', '.join(sorted(MOE_DEFAULTS))}); start from default_config(model='moe')")
-        for key in ("num_experts", "top_k", "d_ff_expert", "dispatch_chunks"):
+        for key in ("num_experts", "top_k", "d_ff_expert", "dispatch_chunks", "ff_chunks"):
             if int(moe[key]) <= 0:
                 raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be positive")
         if moe.top_k > moe.num_experts:
             raise ConfigError(f"config.model.moe.top_k={moe.top_k}: more than num_experts={moe.num_experts}")
         if moe.router not in ROUTERS:
             raise ConfigError(f"config.model.moe.router={moe.router!r}: expected one of {', '.join(ROUTERS)}")
+        if moe.grouped_impl not in ep_lib.GROUPED_IMPLS:
+            raise ConfigError(f"config.model.moe.grouped_impl={moe.grouped_impl!r}: expected one of "
+                              f"{', '.join(ep_lib.GROUPED_IMPLS)}")
+        if (moe.grouped_impl == "megablox" and model_lib.target_platform() != "tpu"
+                and math.prod(int(v) for v in sizes.values()) > 1):
+            raise ConfigError(f"config.model.moe.grouped_impl='megablox' on {model_lib.target_platform()} with "
+                              f"{math.prod(int(v) for v in sizes.values())} devices: off TPU the kernel runs in "
+                              f"Pallas interpret mode, which works on one device only (not inside a shard_map); "
+                              f"use grouped_impl=auto or ragged_dot")
         if moe.dispatch not in DISPATCH:
             raise ConfigError(f"config.model.moe.dispatch={moe.dispatch!r}: expected one of {', '.join(DISPATCH)}")
-        for key in ("shared_experts", "capacity_factor", "balance_weight", "z_weight", "bias_rate", "first_dense",
+        for key in ("ep_buffer", "shared_experts", "capacity_factor", "balance_weight", "z_weight", "bias_rate", "first_dense",
                     "dense_d_ff"):
             if moe[key] < 0:
                 raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be >= 0")
@@ -284,6 +351,20 @@ class MoE(Model):
                               f"use an expert size that divides it")
         if moe.d_ff_expert % tp:
             raise ConfigError(f"config.model.moe.d_ff_expert={moe.d_ff_expert}: not divisible by mesh.tensor={tp}")
+        if moe.ep_buffer > 0 and not (moe.dispatch == "ragged" and ep > 1):
+            raise ConfigError(f"config.model.moe.ep_buffer={moe.ep_buffer}: sizes the receive buffer of "
+                              f"dispatch='ragged' across mesh.expert > 1 (here dispatch={moe.dispatch!r}, "
+                              f"expert={ep}); set ep_buffer=0")
+        if 0 < moe.ep_buffer < 1:
+            raise ConfigError(f"config.model.moe.ep_buffer={moe.ep_buffer}: under 1 drops assignments even when "
+                              f"the load is balanced; use 0 (dropless) or >= 1 (e.g. 2)")
+        if moe.ff_chunks > 1:
+            if moe.dispatch != "ragged":
+                raise ConfigError(f"config.model.moe.ff_chunks={moe.ff_chunks}: applies to dispatch='ragged' only "
+                                  f"(dispatch={moe.dispatch!r}); set ff_chunks=1")
+            if moe.d_ff_expert % (tp * moe.ff_chunks):
+                raise ConfigError(f"config.model.moe.ff_chunks={moe.ff_chunks}: d_ff_expert={moe.d_ff_expert} / "
+                                  f"mesh.tensor={tp} is not divisible by it; use a divisor")
         if moe.dispatch_chunks > 1:
             if moe.dispatch != "capacity":
                 raise ConfigError(f"config.model.moe.dispatch_chunks={moe.dispatch_chunks}: chunks apply to "

@@ -138,23 +138,17 @@ def _attention_impl(config, sizes, platform) -> str:
         raise ConfigError(f"config.model.attention_impl={impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
     layout_ok = sizes["seq"] == 1 or m.attention == "ulysses"  # each rank attends over one contiguous layout
     tiles_ok = splash_lib.supports(int(t.seq_len), int(m.attention_block))
-    # Inside the manual region (tensor / seq / expert / pipe > 1) the shard_map checks varying axes, and the
-    # kernel's pallas_call outputs carry none (a ValueError at trace time): the compiler-sharded path only.
-    region = sizes["tensor"] > 1 or sizes["seq"] > 1 or sizes["pipe"] > 1 or (
-        sizes["expert"] > 1 and "expert" in model_lib.model_class(m.name).parallel_axes)
     if impl == "splash" and platform == "gpu":
         raise ConfigError("config.model.attention_impl='splash': a TPU kernel; on gpu it would run in Pallas "
                           "interpret mode (for CPU tests only); use attention_impl=blockwise or auto")
-    if impl == "splash" and (region or not (layout_ok and tiles_ok)):
-        why = ("inside the manual region (mesh.tensor, seq, expert or pipe > 1) its Pallas call has no "
-               "varying-axes types for the shard_map's check; use it with data / fsdp only" if region else
-               f"attention={m.attention!r} over mesh.seq={sizes['seq']} gives each rank zigzag chunks (use "
+    if impl == "splash" and not (layout_ok and tiles_ok):
+        why = (f"attention={m.attention!r} over mesh.seq={sizes['seq']} gives each rank zigzag chunks (use "
                "dense or ulysses)" if not layout_ok else
                f"train.seq_len={t.seq_len} with attention_block={m.attention_block} is not tiled by "
                f"{splash_lib.MIN_BLOCK}-token multiples")
         raise ConfigError(f"config.model.attention_impl='splash': {why}; or use attention_impl=blockwise")
     if impl == "auto":
-        return "splash" if platform == "tpu" and layout_ok and tiles_ok and not region else "blockwise"
+        return "splash" if platform == "tpu" and layout_ok and tiles_ok else "blockwise"
     return impl
 
 

@@ -201,22 +201,37 @@ def test_splash_attention_matches_reference_and_grads_in_interpret_mode(kv_heads
     _check_fwd_and_grads(kernel, _reference, args, (0, 1, 2), rng)
 
 
+def _splash_config(impl, **mesh):
+    c = tiny_config(**mesh)
+    c.model.update(attention_impl=impl, attention_block=128)
+    c.train.update(seq_len=128, global_batch_size=4)
+    if mesh.get("pipe", 1) > 1:
+        c.pipeline.microbatches = 2
+    return c
+
+
+@pytest.fixture(scope="module")
+def blockwise_reference():
+    from helpers import loss_grads_and_steps
+    return loss_grads_and_steps(_splash_config("blockwise"), jax.devices()[:1], steps=1)
+
+
 @pytest.mark.slow
-def test_a_model_with_splash_attention_on_a_data_fsdp_mesh_matches_one_device_blockwise():
-    """attention_impl=splash on data 2 x fsdp 2 (the compiler-sharded path: the kernel runs per batch shard)
-    against attention_impl=blockwise on one device: loss and every gradient leaf at 1e-5."""
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2), dict(tensor=2, data=2), dict(pipe=2, fsdp=2)],
+                         ids=["compiler-sharded", "manual-region", "pipeline"])
+def test_a_model_with_splash_attention_matches_one_device_blockwise(mesh, blockwise_reference):
+    """attention_impl=splash against attention_impl=blockwise on one device: loss and every gradient leaf
+    at 1e-5. data x fsdp: the compiler-sharded path (the kernel per batch shard); tensor: inside the manual
+    region (the kernel's outputs retyped by `compat.kernel_call`: a retyping that were transposed as a psum
+    would double the gradients); pipe: inside the executor's stages."""
     from helpers import assert_parity, loss_grads_and_steps
     from parallax.plan import make_plan
 
-    def config(impl, **mesh):
-        c = tiny_config(**mesh)
-        c.model.update(attention_impl=impl, attention_block=128)
-        c.train.update(seq_len=128, global_batch_size=4)
-        return c
-    assert make_plan(config("auto"), 1, "tpu").parallelism.attention_impl == "splash"
-    assert make_plan(config("auto"), 1, "cpu").parallelism.attention_impl == "blockwise"
-    ref = loss_grads_and_steps(config("blockwise"), jax.devices()[:1], steps=1)
-    assert_parity(loss_grads_and_steps(config("splash", data=2, fsdp=2), jax.devices()[:4], steps=1), ref, TOL)
+    n = int(np.prod(list(mesh.values())))
+    assert make_plan(_splash_config("auto", **mesh), n, "tpu").parallelism.attention_impl == "splash"
+    assert make_plan(_splash_config("auto", **mesh), n, "cpu").parallelism.attention_impl == "blockwise"
+    assert_parity(loss_grads_and_steps(_splash_config("splash", **mesh), jax.devices()[:n], steps=1),
+                  blockwise_reference, TOL)
 
 
 def test_splash_where_it_cannot_run_is_a_config_error():
@@ -226,7 +241,7 @@ def test_splash_where_it_cannot_run_is_a_config_error():
     c = tiny_config(seq=2, data=4)
     c.model.update(attention="ring", attention_impl="splash")
     c.train.seq_len = 256
-    with pytest.raises(ConfigError, match="attention_impl='splash': inside the manual region"):
+    with pytest.raises(ConfigError, match="attention_impl='splash': attention='ring' over mesh.seq=2 gives each rank zigzag"):
         make_plan(c, 8)
     c = tiny_config()
     c.model.attention_impl = "splash"  # seq_len 32

@@ -286,20 +286,84 @@ def test_ragged_dispatch_across_expert_ranks_equals_per_expert_loop_and_its_grad
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_ragged_dispatch_across_expert_ranks_compiles_for_tpu_with_the_real_primitive():
+def _expected_keep(idx, e, ep, rows_cap):
+    """Which assignments a bounded receive buffer keeps, from the rule alone (numpy): each receiver takes
+    the senders in rank order, each sender's rows for it in (expert, assignment) order, up to rows_cap."""
+    per = idx.shape[0] // ep
+    keep = np.zeros(idx.shape, bool)
+    taken = np.zeros(ep, int)  # rows each receiver has accepted so far
+    for sender in range(ep):
+        flat = idx[sender * per:(sender + 1) * per].reshape(-1)
+        wanted = np.bincount(flat // (e // ep), minlength=ep)
+        allowed = np.clip(rows_cap - taken, 0, wanted)
+        taken += wanted  # the rule counts what senders wanted, so a later sender never jumps a cut one
+        used = np.zeros(ep, int)
+        mask = np.zeros(flat.shape, bool)
+        for a in np.argsort(flat, kind="stable"):
+            j = flat[a] // (e // ep)
+            mask[a] = used[j] < allowed[j]
+            used[j] += 1
+        keep[sender * per:(sender + 1) * per] = mask.reshape(idx[sender * per:(sender + 1) * per].shape)
+    return keep
+
+
+def test_ragged_across_expert_ranks_with_a_bounded_buffer_drops_exactly_what_does_not_fit():
+    """`moe_ragged_ep(buffer=1)` (each rank receives at most its balanced share) on a routing skewed to one
+    rank's experts: the kept assignments are the rule's (numpy, above), the output is the per-expert loop
+    over the kept ones, and the gradients equal the one-rank path's with the dropped gates zeroed."""
+    ep, e = 2, 4
+    h, idx, gates, wg, wu, wd = _random_routing(e=e, b=4)
+    idx = jnp.where(jnp.arange(idx.shape[1])[None, :, None] % 3 == 0, idx % 2, idx)  # rank 0's experts favoured
+    idx = jnp.sort(idx, axis=-1)
+    idx = idx.at[..., 1].set(jnp.where(idx[..., 1] == idx[..., 0], (idx[..., 0] + 1) % e, idx[..., 1]))
+    n = (idx.shape[0] // ep) * idx.shape[1] * idx.shape[2]
+    want_keep = _expected_keep(np.asarray(idx), e, ep, n)
+    assert 0 < (~want_keep).sum() < want_keep.size  # the routing overflows one buffer, not everything
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:ep]), ("expert",))
+
+    def grouped_with(wg, wu, wd):
+        def grouped(xs, sizes):
+            act = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+            return jax.lax.ragged_dot(act, wd, sizes)
+        return grouped
+
+    def per_rank(h, idx, gates, wg, wu, wd):
+        out, keep, _ = ep_lib.moe_ragged_ep(h, idx, gates, e, grouped_with(wg, wu, wd), ep, buffer=1.0,
+                                            exchange=ep_lib.ragged_all_to_all_by_all_to_all)
+        return out, keep
+    run = jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+    out, keep = run(h, idx, gates, wg, wu, wd)
+    np.testing.assert_array_equal(np.asarray(keep), want_keep)
+    kept_gates = gates * want_keep
+    np.testing.assert_allclose(out, _loop_reference(h, idx, kept_gates, wg, wu, wd), rtol=1e-5, atol=1e-6)
+
+    ct = jax.random.normal(jax.random.key(3), h.shape)
+    sharded = jax.grad(lambda h, a, b, c: jnp.sum(run(h, idx, gates, a, b, c)[0] * ct), argnums=(0, 1, 2, 3))(
+        h, wg, wu, wd)
+    single = jax.grad(lambda h, a, b, c: jnp.sum(ep_lib.moe_ragged(h, idx, kept_gates, e, grouped_with(a, b, c))[0]
+                                                 * ct), argnums=(0, 1, 2, 3))(h, wg, wu, wd)
+    for name, got, want in zip(("h", "w_gate", "w_up", "w_down"), sharded, single):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "megablox"])
+def test_ragged_dispatch_across_expert_ranks_compiles_for_tpu_with_the_real_primitive(impl):
     """On a backend that has `ragged_all_to_all` (TPU, via libtpu's compiler here): forward and backward
-    of `moe_ragged_ep` compile, with ragged all-to-alls in the program (numerics: the emulated test above)."""
+    of `moe_ragged_ep` compile, with ragged all-to-alls in the program (numerics: the emulated test above);
+    with megablox, inside the checked shard_map (`compat.kernel_call`), as Mosaic kernels: the forward gmm
+    and the backward's gmm + transposed gmm per projection, with a bounded receive buffer (`buffer=2`)."""
     pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding
     from parallax.memory import tpu_devices
     mesh = jax.sharding.Mesh(np.array(tpu_devices("v5p:2x2x1")), ("expert",))
-    e, k, b, t, d, f = 8, 2, 4, 16, 32, 64
+    e, k, b, t, d, f = 8, 2, 4, 16, 128, 256  # the TPU kernel's tiles: multiples of 128
 
     def per_rank(h, idx, gates, wg, wu, wd):
         def grouped(xs, sizes):
-            act = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
-            return jax.lax.ragged_dot(act, wd, sizes)
-        return ep_lib.moe_ragged_ep(h, idx, gates, e, grouped, 4)[0]
+            def mm(x, w):
+                return ep_lib.grouped_matmul(x, w, sizes, impl, "tpu")
+            return mm(jax.nn.silu(mm(xs, wg)) * mm(xs, wu), wd)
+        return ep_lib.moe_ragged_ep(h, idx, gates, e, grouped, 4, buffer=2.0)[0]
     run = jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
     loss = jax.grad(lambda h, i, g, a, b_, c: jnp.sum(run(h, i, g, a, b_, c) ** 2), argnums=(0, 3, 4, 5))
     shapes = [((b, t, d), jnp.float32), ((b, t, k), jnp.int32), ((b, t, k), jnp.float32),
@@ -308,6 +372,10 @@ def test_ragged_dispatch_across_expert_ranks_compiles_for_tpu_with_the_real_prim
     text = jax.jit(loss).lower(*args).compile().as_text()
     found = text.count("ragged-all-to-all(") + text.count("ragged-all-to-all-start(")  # sync or async
     assert found == 4, f"{found} ragged all-to-alls; the design has two forward, two backward"
+    kernels = text.count('custom_call_target="tpu_custom_call"')
+    # XLA:TPU lowers ragged_dot to Mosaic kernels of its own (14 here); with megablox, at least its 3
+    # forward gmms and the backward's 3 gmm + 3 tgmm (the rematerialised forward adds some).
+    assert kernels >= 9, kernels
 
 
 def test_ragged_model_matches_dropless_capacity_model():
@@ -319,16 +387,47 @@ def test_ragged_model_matches_dropless_capacity_model():
     assert_parity(got, ref, TOL)
 
 
+def _ragged(moe=None, **mesh):
+    c = moe_config(**mesh)
+    c.model.moe.update(dispatch="ragged", **(moe or {}))
+    return c
+
+
+@pytest.fixture(scope="module")
+def ragged_reference():
+    return loss_grads_and_steps(_ragged(), jax.devices()[:1], steps=1)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [dict(data=2), dict(fsdp=2), dict(tensor=2)], ids=str)
-def test_ragged_model_on_one_expert_rank_matches_single_device(mesh):
-    """data / fsdp: the dense path routes each batch shard on its own device (`moe._per_batch_shard`)."""
-    def ragged(**mesh):
-        c = moe_config(**mesh)
-        c.model.moe.dispatch = "ragged"
-        return c
-    ref = loss_grads_and_steps(ragged(), jax.devices()[:1], steps=1)
-    assert_parity(loss_grads_and_steps(ragged(**mesh), jax.devices()[:2], steps=1), ref, TOL)
+@pytest.mark.parametrize("mesh,moe", [
+    (dict(data=2), {}), (dict(fsdp=2), {}), (dict(tensor=2), {}),
+    (dict(fsdp=2), dict(ff_chunks=2)),
+], ids=["data", "fsdp", "tensor", "fsdp-ff_chunks"])
+def test_ragged_model_on_one_expert_rank_matches_single_device(ragged_reference, mesh, moe):
+    """data / fsdp: the dense path routes each batch shard on its own device (`moe._per_batch_shard`); with
+    ff_chunks the expert width runs in slices, each gathering its slice of the FSDP shards."""
+    assert_parity(loss_grads_and_steps(_ragged(moe, **mesh), jax.devices()[:2], steps=1), ragged_reference, TOL)
+
+
+def test_megablox_grouped_matmul_equals_ragged_dot_with_padding_rows():
+    """`grouped_matmul(impl='megablox')` (Pallas interpret mode) against `jax.lax.ragged_dot`: an empty
+    group, an m not a multiple of the kernel's tile, and padding rows past the groups (whose outputs and
+    input gradients the kernel leaves unwritten: they must come out 0)."""
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.normal(size=(200, 48)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 48, 40)), jnp.float32)
+    sizes = jnp.array([50, 0, 90, 40], jnp.int32)  # 180 rows in groups, 20 padding
+    ct = jnp.asarray(rng.normal(size=(200, 40)), jnp.float32)
+
+    def run(impl):
+        def f(xs, w):
+            return ep_lib.grouped_matmul(xs, w, sizes, impl, "cpu")
+        out, vjp = jax.vjp(f, xs, w)
+        return (out, *vjp(ct))
+    got, want = run("megablox"), run("ragged_dot")
+    for a, b, name in zip(got, want, ("out", "d_xs", "d_w")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name)
+    assert not np.asarray(got[0][180:]).any() and not np.asarray(got[1][180:]).any()
 
 
 def test_ragged_dispatch_across_expert_ranks_on_cpu_exits_2(tmp_path):
@@ -416,7 +515,14 @@ def test_moe_metrics_reach_metrics_jsonl(tmp_path):
     (dict(tensor=8), dict(d_ff_expert=36), "d_ff_expert=36: not divisible by mesh.tensor=8"),
     (dict(data=8), dict(dispatch_chunks=3), "dispatch_chunks=3: does not divide the 2 rows per rank"),
     (dict(data=8), dict(dispatch_chunks=2, dispatch="ragged"), "chunks apply to dispatch='capacity' only"),
-], ids=["experts_vs_mesh", "first_dense", "router", "d_ff_vs_tensor", "chunks_vs_rows", "chunks_ragged"])
+    (dict(data=8), dict(grouped_impl="triton"), "grouped_impl='triton': expected one of auto, ragged_dot, megablox"),
+    (dict(data=8), dict(ff_chunks=2), "ff_chunks=2: applies to dispatch='ragged' only"),
+    (dict(tensor=2, data=4), dict(ff_chunks=3, dispatch="ragged"), "ff_chunks=3: d_ff_expert=32 / mesh.tensor=2"),
+    (dict(data=8), dict(ep_buffer=2.0, dispatch="ragged"), "ep_buffer=2.0: sizes the receive buffer"),
+    (dict(expert=2, data=4), dict(ep_buffer=0.5, dispatch="ragged"), "ep_buffer=0.5: under 1 drops"),
+    (dict(data=8), dict(grouped_impl="megablox", dispatch="ragged"), "grouped_impl='megablox' on cpu with 8"),
+], ids=["experts_vs_mesh", "first_dense", "router", "d_ff_vs_tensor", "chunks_vs_rows", "chunks_ragged",
+        "grouped_impl", "ff_chunks_capacity", "ff_chunks_divisor", "ep_buffer_one_rank", "ep_buffer_under_1", "megablox_off_tpu"])
 def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):
     config = moe_config(**mesh)
     config.model.moe.update(moe)

@@ -34,10 +34,10 @@ does (any backend); each all-to-all carries 1/chunks of the bytes, 2 * chunks of
 
 **Ragged across expert ranks** (`moe_ragged_ep`, dropless): the sorted assignments are already grouped by
 destination rank, so one `jax.lax.ragged_all_to_all` sends each rank exactly its experts' rows (no
-padding on the wire); a [ep, ep] all-gather of the per-rank counts gives every offset. The receiver's rows
-come sender-major; a local sort makes them expert-major for `ragged_dot`, and the inverse path returns
-the outputs. The receive buffer is static: ep * B*T*k rows (every assignment of every rank could choose
-this rank's experts). XLA:CPU does not implement `ragged_all_to_all`, so the model's config check rejects
+padding on the wire); a [ep, ep] all-gather of the per-rank counts gives every offset. The receive buffer
+is static, one slot of B*T*k rows per sender (all of a sender's assignments could choose this rank's
+experts); each slot arrives grouped by local expert, so the experts run slot by slot (one slot's
+intermediates live at a time) and the outputs go back the same way. XLA:CPU does not implement `ragged_all_to_all`, so the model's config check rejects
 it there (use the capacity path with capacity_factor 0); the tests run this function on CPU with
 `ragged_all_to_all_by_all_to_all`, an exact emulation of the primitive's semantics (padded all-to-alls),
 and compile it with the real primitive for a TPU slice.
@@ -49,7 +49,55 @@ import math
 import jax
 import jax.numpy as jnp
 
+from parallax import compat
+
 AXIS = "expert"
+GROUPED_IMPLS = ("auto", "ragged_dot", "megablox")
+MEGABLOX_TILES = (512, 1024, 1024)  # (m, k, n) tile bounds: MaxText's defaults for its megablox path
+
+
+def grouped_impl(impl: str, platform: str | None) -> str:
+    """`moe.grouped_impl` for the target: auto is megablox on TPU, else `jax.lax.ragged_dot`."""
+    if impl == "auto":
+        return "megablox" if (platform or jax.default_backend()) == "tpu" else "ragged_dot"
+    return impl
+
+
+def grouped_matmul(xs, w, sizes, impl: str = "ragged_dot", platform: str | None = None):
+    """Rows of xs [M, K] grouped by `sizes` [G] (contiguous, in group order; rows past the sum are padding)
+    times their group's w [G, K, N] -> [M, N] in xs's dtype.
+
+    `ragged_dot`: XLA's lowering of `jax.lax.ragged_dot` (any backend). `megablox`: the Pallas grouped
+    matmul of JAX's TPU ops (what MaxText's dropless MoE calls), with its own VJP (a gmm for the input's
+    gradient, a transposed gmm for the weights'); off TPU in Pallas interpret mode (the tests' CPU path).
+    Its m tile must divide M: the rows are padded to a multiple of it (zeros, past every group) and cut
+    off again. The kernel leaves the rows past the groups unwritten, in its output and in its input's
+    gradient, so both are masked to 0 there (a select XLA fuses). Inside a manual region the kernel goes
+    through `compat.kernel_call` (its outputs carry no varying-axes types)."""
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot(xs, w, sizes)
+    if impl != "megablox":
+        raise ValueError(f"grouped matmul {impl!r}: expected ragged_dot or megablox")
+    from jax.experimental.pallas.ops.tpu.megablox import ops
+
+    m, k = xs.shape
+    n = w.shape[2]
+    tm = min(MEGABLOX_TILES[0], -(-m // 8) * 8)
+    # One k / n tile for both: the kernel's VJP reuses the tiling with k and n swapped.
+    tkn = min(MEGABLOX_TILES[1], k, n)
+    tiles = (tm, tkn, tkn)
+    pad = -m % tm
+    interpret = (platform or jax.default_backend()) != "tpu"
+
+    def gmm(xs, w, sizes):
+        if pad:
+            xs = jnp.concatenate([xs, jnp.zeros((pad, k), xs.dtype)])
+        return ops.gmm(xs, w, sizes, xs.dtype, tiles, None, None, False, interpret)[:m]
+
+    sizes = sizes.astype(jnp.int32)
+    valid = (jnp.arange(m) < jnp.sum(sizes))[:, None]
+    out = compat.kernel_call(gmm, jnp.where(valid, xs, jnp.zeros((), xs.dtype)), w, sizes)
+    return jnp.where(valid, out, jnp.zeros((), out.dtype))
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
@@ -138,38 +186,89 @@ def ragged_all_to_all_by_all_to_all(operand, output, input_offsets, send_sizes, 
 
 
 def moe_ragged_ep(h, expert_idx, gates, num_experts: int, grouped_fn, ep: int,
-                  exchange=jax.lax.ragged_all_to_all):
-    """The routed experts' output [B, T, D], dropless, across `ep` expert ranks (inside the manual region):
+                  exchange=jax.lax.ragged_all_to_all, buffer: float = 0.0):
+    """The routed experts' output [B, T, D] across `ep` expert ranks (inside the manual region):
     `grouped_fn(xs [M, D], group_sizes [E/ep]) -> [M, D]` runs this rank's experts on rows grouped by
-    local expert (rows past the groups' total are padding). Returns (output, keep (all True), load [B, E])."""
+    local expert (rows past the groups' total are padding). Returns (output, keep [B, T, k], load [B, E]).
+
+    Each rank receives into a static buffer of R rows, the senders' rows packed sender-major, each sender's
+    grouped by this rank's experts. `buffer` 0 (dropless): R = ep * n, n = B*T*k (every assignment of every
+    rank could choose this rank's experts). `buffer` f > 0 (`moe.ep_buffer`, MaxText's ragged buffer
+    factor): R = ceil(f * n), f times a rank's share in a balanced step; a sender sends a receiver only
+    what still fits after the senders before it, and the rest of its rows for that receiver (the last of
+    its last expert there) are dropped like capacity drops: output 0, `keep` False, counted in `dropped`.
+
+    With one expert per rank the packed rows are already grouped; with more, a local sort makes them
+    expert-major. The experts run over R / n windows of n rows one after another (a rematerialised scan,
+    `_grouped_by_windows`), so the grouped matmuls' [rows, F] intermediates exist for one window at a time."""
     b, t, k = expert_idx.shape
     d, n, el = h.shape[-1], b * t * k, num_experts // ep
+    rows_cap = ep * n if buffer <= 0 else max(1, min(ep * n, math.ceil(buffer * n)))
     flat = expert_idx.reshape(n)
     order = jnp.argsort(flat, stable=True)  # grouped by expert, hence by destination rank
     xs = h.reshape(b * t, d)[order // k]  # (N, D)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # (E,)
-    send = jnp.sum(sizes.reshape(ep, el), axis=1)  # (ep,) rows to each rank
-    table = jax.lax.all_gather(send, AXIS)  # (ep senders, ep receivers)
     me = jax.lax.axis_index(AXIS)
-    before = jnp.cumsum(table, axis=0) - table  # rows of the senders before i, per receiver
-    starts = jnp.cumsum(table, axis=1) - table  # where each sender's slice for receiver j starts
+    want = jnp.sum(sizes.reshape(ep, el), axis=1)  # (ep,) rows for each rank
+    wanted = jax.lax.all_gather(want, AXIS)  # (ep senders, ep receivers)
+    before = jnp.cumsum(wanted, axis=0) - wanted  # rows of the senders before i, per receiver
+    table = jnp.clip(rows_cap - before, 0, wanted)  # what fits: sender i -> receiver j
+    send = table[me]  # (ep,)
+    # Per expert, what survives of this sender's rows for each receiver (its slice is expert-ordered).
+    per_rank = sizes.reshape(ep, el)
+    cum = jnp.cumsum(per_rank, axis=1) - per_rank  # rows of the earlier local experts in the slice
+    kept_sizes = jnp.clip(send[:, None] - cum, 0, per_rank)  # (ep, E/ep)
+    dest_start = jnp.cumsum(want) - want  # in the sorted rows, where each receiver's slice starts
+    pos = jnp.arange(n)
+    dest = jnp.searchsorted(jnp.cumsum(want), pos, side="right")  # receiver of each sorted row
+    keep_sorted = pos - dest_start[jnp.clip(dest, 0, ep - 1)] < send[jnp.clip(dest, 0, ep - 1)]
+    slice_starts = jnp.cumsum(wanted, axis=1) - wanted  # [i, j]: sender i's slice for receiver j starts here
     recv = table[:, me]  # (ep,) rows from each sender
-    m = ep * n
-    buf = exchange(xs, jnp.zeros((m, d), xs.dtype), starts[me], send, before[me], recv, axis_name=AXIS)
-    # Received rows: sender-major, each sender's by this rank's experts in order. Make them expert-major.
-    counts = jax.lax.all_to_all(sizes.reshape(ep, el), AXIS, 0, 0, tiled=True)  # (ep senders, E/ep)
-    rows, total = jnp.arange(m), jnp.sum(recv)
-    local = jnp.repeat(jnp.tile(jnp.arange(el), ep), counts.reshape(-1), total_repeat_length=m)
-    local = jnp.where(rows < total, local, el)  # padding rows sort last
-    perm = jnp.argsort(local, stable=True)
-    ys = grouped_fn(buf[perm], jnp.sum(counts, axis=0).astype(jnp.int32))[jnp.argsort(perm)]
+    # (what a sender sends is the head of its slice)
+    buf = exchange(xs, jnp.zeros((rows_cap, d), xs.dtype), dest_start, send, before[me], recv, axis_name=AXIS)
+    counts = jax.lax.all_to_all(kept_sizes, AXIS, 0, 0, tiled=True)  # (ep senders, E/ep) as received
+    group_sizes = jnp.sum(counts, axis=0).astype(jnp.int32)
+    rows, total = jnp.arange(rows_cap), jnp.sum(recv)
+    if el > 1:  # sender-major -> expert-major
+        local = jnp.repeat(jnp.tile(jnp.arange(el), ep), counts.reshape(-1), total_repeat_length=rows_cap)
+        perm = jnp.argsort(jnp.where(rows < total, local, el), stable=True)  # padding rows sort last
+        ys = _grouped_by_windows(grouped_fn, buf[perm], group_sizes, rows_cap // n)[jnp.argsort(perm)]
+    else:
+        ys = _grouped_by_windows(grouped_fn, buf, group_sizes, rows_cap // n)
     ys = jnp.where((rows < total)[:, None], ys, 0)
-    # Back: the rows from sender i (at `before`-cumulative offsets here) return to where they came from.
-    back = exchange(ys, jnp.zeros((n, d), ys.dtype), jnp.cumsum(recv) - recv, recv, starts[:, me], send,
+    # Back: the rows from sender i (at `before` offsets here) return to where they came from.
+    back = exchange(ys, jnp.zeros((n, d), ys.dtype), jnp.cumsum(recv) - recv, recv, slice_starts[:, me], send,
                     axis_name=AXIS)
-    ys = back[jnp.argsort(order)].reshape(b, t, k, d)
+    back = jnp.where(keep_sorted[:, None], back, 0)
+    inverse = jnp.argsort(order)
+    ys = back[inverse].reshape(b, t, k, d)
+    keep = keep_sorted[inverse].reshape(b, t, k)
     load = jnp.sum(jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.int32), axis=(1, 2))
-    return jnp.einsum("btkd,btk->btd", ys, gates.astype(ys.dtype)), jnp.ones(expert_idx.shape, bool), load
+    return jnp.einsum("btkd,btk->btd", ys, gates.astype(ys.dtype)), keep, load
+
+
+def _grouped_by_windows(grouped_fn, xs, sizes, windows: int):
+    """`grouped_fn(xs, sizes)` over `windows` equal row windows of xs [M, D] one after another (a
+    rematerialised `lax.scan`), each with the part of every group that falls in it: the same rows out, and
+    the grouped matmuls' [rows, F] intermediates exist for one window at a time. Windows past the real rows
+    have empty groups (megablox visits no tile of them)."""
+    m, d = xs.shape
+    if windows <= 1 or m % windows:
+        return grouped_fn(xs, sizes)
+    w = m // windows
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    lo = jnp.arange(windows, dtype=jnp.int32)[:, None] * w
+    parts = (jnp.clip(ends[None, :], lo, lo + w) - jnp.clip(starts[None, :], lo, lo + w)).astype(jnp.int32)
+
+    @jax.checkpoint
+    def window(x, s):
+        return grouped_fn(x, s)
+
+    def step(carry, args):
+        return carry, window(*args)
+    _, ys = jax.lax.scan(step, None, (xs.reshape(windows, w, d), parts))
+    return ys.reshape(m, -1)
 
 
 def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn):

@@ -49,6 +49,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from parallax import compat
 from parallax.parallel import flash, sequence, splash, tensor, vocab
 from parallax.sharding import (activation_context, constrain, is_logical_names, logical_to_spec, param_logical_names,
                                spec_axes)
@@ -69,11 +70,12 @@ def _per_batch_rows(fn, *batched):
     """`fn(*batched)` (arrays with a leading batch dim) per batch shard when the compiler shards the step
     (the dense path's `activation_sharding`): a shard_map over every axis, rows split over the batch axes.
     A Pallas kernel is one custom call the compiler cannot partition, so left to it every device would run the
-    whole batch. Inside a manual region (no context) the arrays are already local: `fn` as it is."""
+    whole batch. Inside a manual region (no context) the arrays are already local: `fn` as it is, through
+    `compat.kernel_call` (the region checks varying axes, and the kernels' outputs carry none)."""
     ctx = activation_context()
     spec = logical_to_spec(("batch",), ctx[1], ctx[0]) if ctx is not None else P()
     if not len(spec) or spec[0] is None:
-        return fn(*batched)
+        return compat.kernel_call(fn, *batched)
     rows = P(spec[0])
     # check_vma off: Pallas outputs carry no varying-axes annotation; every input and the output are split
     # the same way over the batch axes and nothing is replicated, so no transpose needs a psum.
@@ -182,7 +184,7 @@ class Parallelism:
         if self.attention_kind == "ulysses":
             return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend)
         if self.attention_kind == "ring":
-            _log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised)")
+            log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised)")
             return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq")
         if self.attention_kind == "allgather":
             return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend,
@@ -195,15 +197,15 @@ class Parallelism:
         or the reference."""
         if self.attention_impl == "splash":
             mode = "Mosaic kernel" if (self.platform or jax.default_backend()) == "tpu" else "Pallas interpret mode"
-            _log_once(f"attention kernel: splash ({mode}, {min(self.attention_block or 512, q.shape[1])}-token "
+            log_once(f"attention kernel: splash ({mode}, {min(self.attention_block or 512, q.shape[1])}-token "
                       f"tiles; parallax.parallel.splash)")
             fn = functools.partial(splash.splash_attention, platform=self.platform, block=self.attention_block)
             return _per_batch_rows(fn, q, k, v, q_segment_ids, kv_segment_ids)
         if self.attention_block:
-            _log_once(f"attention kernel: blockwise, {self.attention_block}-token tiles (parallax.parallel.flash)")
+            log_once(f"attention kernel: blockwise, {self.attention_block}-token tiles (parallax.parallel.flash)")
             return flash.blockwise_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
                                              block=self.attention_block)
-        _log_once("attention kernel: reference ([T, T] logits; model.attention_block=0)")
+        log_once("attention kernel: reference ([T, T] logits; model.attention_block=0)")
         return sequence.attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
 
     def chunked(self, fn, x, batch):
@@ -309,7 +311,7 @@ _gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
 _LOGGED: set[str] = set()
 
 
-def _log_once(message: str) -> None:
+def log_once(message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         logging.info(message)
