@@ -377,7 +377,7 @@ def bench_device(steps: int, smoke: bool):
 
     devices = jax.devices()
     kind = devices[0].device_kind
-    print(f"| model ({len(devices)} x {kind}, jax {jax.__version__}) | params | attention | tokens/s/chip | "
+    print(f"| model ({len(devices)} x {kind}, jax {jax.__version__}) | params | kernels | tokens/s/chip | "
           "step s | MFU | loss |\n|---|---|---|---|---|---|---|")
     for name, config in device_configs(smoke, len(devices)).items():
         trainer = Trainer(config, devices)
@@ -385,8 +385,12 @@ def bench_device(steps: int, smoke: bool):
         record = throughput(trainer.plan, trainer.mesh).metrics(dt)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a (peak unknown)"
         impl = trainer.plan.parallelism.attention_impl
-        attention = f"{impl} ({config.model.attention_block})" if config.model.attention_block else "reference"
-        print(f"| {name} | {trainer.num_params / 1e9:.3g}B | {attention} | "
+        kernels = f"{impl} ({config.model.attention_block})" if config.model.attention_block else "reference"
+        if config.model.get("moe") and config.model.moe.dispatch == "ragged":
+            from parallax.parallel.expert import grouped_impl
+
+            kernels += f"; grouped matmuls: {grouped_impl(config.model.moe.grouped_impl, trainer.plan.platform)}"
+        print(f"| {name} | {trainer.num_params / 1e9:.3g}B | {kernels} | "
               f"{record['tokens_per_sec_per_device']:,.0f} | {dt:.3f} | {mfu} | {loss:.3f} |", flush=True)
 
 

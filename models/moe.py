@@ -69,8 +69,8 @@ MOE_DEFAULTS = dict(
     dispatch="capacity",  # capacity (all-to-all, fixed slots) | ragged (dropless grouped matmul; ragged_all_to_all)
     capacity_factor=2.0,  # slots per expert and row = ceil(factor * T * k / E); 0: T slots (drops nothing)
     grouped_impl="auto",  # ragged dispatch's grouped matmuls: auto (megablox on TPU) | ragged_dot | megablox
-    ff_chunks=1,
-    ep_buffer=0.0,  # ragged over mesh.expert: receive buffer in balanced shares (0: worst case, dropless)  # ragged dispatch: the expert width in this many slices, one live at a time (memory)
+    ff_chunks=1,  # ragged dispatch: the expert width in this many slices, one live at a time (memory)
+    ep_buffer=0.0,  # ragged over mesh.expert: receive buffer in balanced shares (0: worst case, dropless)
     dispatch_chunks=1,  # capacity dispatch in this many row groups, so all-to-alls overlap expert matmuls
     balance_weight=0.01,  # Switch load-balancing loss weight
     z_weight=0.001,  # router z-loss weight
@@ -95,7 +95,10 @@ def _grouped_swiglu(xs, sizes, ws, gather, chunks: int, mm):
     in a `lax.scan` whose step gathers its slice of the three weights and is rematerialised: the output is
     the sum of the slices' (SwiGLU is a sum over F), and only one slice of the gathered weights, of their
     gradients and of the [M, F] intermediates is live at a time, forward and backward. The price is one
-    more forward of the expert matmuls in the backward. The slices cut each rank's local F, and all three
+    more forward of the expert matmuls in the backward (more where an enclosing scan is rematerialised
+    too, as the expert-parallel windows are). Inside the manual region `par.weight` has already gathered
+    whole weights (`gather` is the identity): there only the intermediates shrink. The slices cut each
+    rank's local F, and all three
     weights the same way, so any layout of F over the mesh gathers to the same permutation of F for all
     three (a SwiGLU does not depend on the order of its hidden units)."""
     def swiglu(wg, wu, wd):
@@ -330,16 +333,18 @@ class MoE(Model):
         if moe.grouped_impl not in ep_lib.GROUPED_IMPLS:
             raise ConfigError(f"config.model.moe.grouped_impl={moe.grouped_impl!r}: expected one of "
                               f"{', '.join(ep_lib.GROUPED_IMPLS)}")
-        if (moe.grouped_impl == "megablox" and model_lib.target_platform() != "tpu"
-                and math.prod(int(v) for v in sizes.values()) > 1):
-            raise ConfigError(f"config.model.moe.grouped_impl='megablox' on {model_lib.target_platform()} with "
-                              f"{math.prod(int(v) for v in sizes.values())} devices: off TPU the kernel runs in "
-                              f"Pallas interpret mode, which works on one device only (not inside a shard_map); "
-                              f"use grouped_impl=auto or ragged_dot")
         if moe.dispatch not in DISPATCH:
             raise ConfigError(f"config.model.moe.dispatch={moe.dispatch!r}: expected one of {', '.join(DISPATCH)}")
-        for key in ("ep_buffer", "shared_experts", "capacity_factor", "balance_weight", "z_weight", "bias_rate", "first_dense",
-                    "dense_d_ff"):
+        if moe.grouped_impl != "auto" and moe.dispatch != "ragged":
+            raise ConfigError(f"config.model.moe.grouped_impl={moe.grouped_impl!r}: applies to dispatch='ragged' "
+                              f"only (dispatch={moe.dispatch!r}); set grouped_impl=auto")
+        platform, devices = model_lib.target_platform(), math.prod(int(v) for v in sizes.values())
+        if moe.grouped_impl == "megablox" and (platform == "gpu" or (platform != "tpu" and devices > 1)):
+            raise ConfigError(f"config.model.moe.grouped_impl='megablox' on {platform} with {devices} device(s): "
+                              f"a TPU kernel; elsewhere it runs in Pallas interpret mode (for CPU tests, on one "
+                              f"device only: not inside a shard_map); use grouped_impl=auto or ragged_dot")
+        for key in ("ep_buffer", "shared_experts", "capacity_factor", "balance_weight", "z_weight", "bias_rate",
+                    "first_dense", "dense_d_ff"):
             if moe[key] < 0:
                 raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be >= 0")
         ep, tp = sizes["expert"], sizes["tensor"]

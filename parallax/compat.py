@@ -5,11 +5,11 @@ deprecation cycle. Each name says what public API is missing and for which versi
 them breaks this file only. A leaf: it imports nothing of parallax.
 """
 
-# Reading and evaluating jaxprs (`parallax.pipeline.split`). Public only in `jax.extend.core` at the floor:
-# jax.core's Var and Literal were removed by 0.10.2, its DropVar is deprecated there (gone in 0.12).
 import contextvars
 
 import jax
+# Reading and evaluating jaxprs (`parallax.pipeline.split`). Public only in `jax.extend.core` at the floor:
+# jax.core's Var and Literal were removed by 0.10.2, its DropVar is deprecated there (gone in 0.12).
 from jax.extend.core import DropVar, Literal, Var  # noqa: F401  (re-exported)
 
 # Dead-code elimination of a jaxpr (`parallax.pipeline.work`, the routed inputs of the loss paths). No public
@@ -28,8 +28,6 @@ def distributed_runtime():
 
     state = distributed.global_state
     return state.client, state.process_id, state.num_processes
-
-
 
 
 _KERNEL_VMA = contextvars.ContextVar("parallax_kernel_vma", default=None)
@@ -77,7 +75,7 @@ def kernel_call(fn, *args):
     _install_kernel_vma()
     args = tuple(jax.lax.pcast(a, tuple(x for x in axes if x not in varying(a)), to="varying")
                  if set(axes) - varying(a) else a for a in args)
-    mat = jax.typeof(args[0]).manual_axis_type
+    mat = type(jax.typeof(args[0]).manual_axis_type)(varying=frozenset(axes))
 
     def traced(f, *xs):
         token = _KERNEL_VMA.set(mat)
@@ -98,4 +96,3 @@ def kernel_call(fn, *args):
 
     call.defvjp(fwd, bwd)
     return call(*args)
-

@@ -241,7 +241,7 @@ def test_splash_where_it_cannot_run_is_a_config_error():
     c = tiny_config(seq=2, data=4)
     c.model.update(attention="ring", attention_impl="splash")
     c.train.seq_len = 256
-    with pytest.raises(ConfigError, match="attention_impl='splash': attention='ring' over mesh.seq=2 gives each rank zigzag"):
+    with pytest.raises(ConfigError, match="attention_impl='splash': attention='ring' over mesh.seq=2 gives each"):
         make_plan(c, 8)
     c = tiny_config()
     c.model.attention_impl = "splash"  # seq_len 32

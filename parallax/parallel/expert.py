@@ -32,12 +32,14 @@ does (any backend); each all-to-all carries 1/chunks of the bytes, 2 * chunks of
 **Ragged path** (`moe_ragged`, dropless, one expert rank): assignments sorted by expert and run through
 `jax.lax.ragged_dot` (one grouped matmul per projection, groups = experts).
 
-**Ragged across expert ranks** (`moe_ragged_ep`, dropless): the sorted assignments are already grouped by
+**Ragged across expert ranks** (`moe_ragged_ep`): the sorted assignments are already grouped by
 destination rank, so one `jax.lax.ragged_all_to_all` sends each rank exactly its experts' rows (no
-padding on the wire); a [ep, ep] all-gather of the per-rank counts gives every offset. The receive buffer
-is static, one slot of B*T*k rows per sender (all of a sender's assignments could choose this rank's
-experts); each slot arrives grouped by local expert, so the experts run slot by slot (one slot's
-intermediates live at a time) and the outputs go back the same way. XLA:CPU does not implement `ragged_all_to_all`, so the model's config check rejects
+padding on the wire); a [ep, ep] all-gather of the per-rank counts gives every offset. Each rank receives
+into a static buffer, the senders' rows packed sender-major: by default ep * B*T*k rows (all assignments of
+every rank could choose this rank's experts: dropless), or `moe.ep_buffer` balanced shares, past which a
+sender's rows are dropped. With several experts per rank a local sort makes the rows expert-major; the
+experts run over windows of about B*T*k rows one after another, and the outputs go back the same way.
+XLA:CPU does not implement `ragged_all_to_all`, so the model's config check rejects
 it there (use the capacity path with capacity_factor 0); the tests run this function on CPU with
 `ragged_all_to_all_by_all_to_all`, an exact emulation of the primitive's semantics (padded all-to-alls),
 and compile it with the real primitive for a TPU slice.
@@ -83,8 +85,10 @@ def grouped_matmul(xs, w, sizes, impl: str = "ragged_dot", platform: str | None 
     m, k = xs.shape
     n = w.shape[2]
     tm = min(MEGABLOX_TILES[0], -(-m // 8) * 8)
-    # One k / n tile for both: the kernel's VJP reuses the tiling with k and n swapped.
+    # One k / n tile for both (the kernel's VJP reuses the tiling with k and n swapped), a multiple of 128
+    # as Mosaic needs unless it is a whole dim (tiny shapes); the last tile may be partial.
     tkn = min(MEGABLOX_TILES[1], k, n)
+    tkn = tkn // 128 * 128 if tkn >= 128 else tkn
     tiles = (tm, tkn, tkn)
     pad = -m % tm
     interpret = (platform or jax.default_backend()) != "tpu"
@@ -194,16 +198,21 @@ def moe_ragged_ep(h, expert_idx, gates, num_experts: int, grouped_fn, ep: int,
     Each rank receives into a static buffer of R rows, the senders' rows packed sender-major, each sender's
     grouped by this rank's experts. `buffer` 0 (dropless): R = ep * n, n = B*T*k (every assignment of every
     rank could choose this rank's experts). `buffer` f > 0 (`moe.ep_buffer`, MaxText's ragged buffer
-    factor): R = ceil(f * n), f times a rank's share in a balanced step; a sender sends a receiver only
-    what still fits after the senders before it, and the rest of its rows for that receiver (the last of
-    its last expert there) are dropped like capacity drops: output 0, `keep` False, counted in `dropped`.
+    factor): R = ceil(f * n) (rounded up to equal windows), f times a rank's share in a balanced step; a
+    sender sends a receiver only what still fits after the senders before it, and the rest of its rows for
+    that receiver (the last of its last expert there) are dropped like capacity drops: output 0, `keep`
+    False, counted in `dropped`. A full receiver takes the senders in rank order, so the drops fall on the
+    higher-ranked senders' rows.
 
     With one expert per rank the packed rows are already grouped; with more, a local sort makes them
-    expert-major. The experts run over R / n windows of n rows one after another (a rematerialised scan,
-    `_grouped_by_windows`), so the grouped matmuls' [rows, F] intermediates exist for one window at a time."""
+    expert-major. The experts run over ceil(R / n) equal windows of at most n rows one after another (a
+    rematerialised scan, `_grouped_by_windows`): the grouped matmuls' [rows, F] intermediates exist for one
+    window at a time."""
     b, t, k = expert_idx.shape
     d, n, el = h.shape[-1], b * t * k, num_experts // ep
     rows_cap = ep * n if buffer <= 0 else max(1, min(ep * n, math.ceil(buffer * n)))
+    windows = -(-rows_cap // n)
+    rows_cap = windows * -(-rows_cap // windows)  # equal windows of at most n rows
     flat = expert_idx.reshape(n)
     order = jnp.argsort(flat, stable=True)  # grouped by expert, hence by destination rank
     xs = h.reshape(b * t, d)[order // k]  # (N, D)
@@ -218,27 +227,29 @@ def moe_ragged_ep(h, expert_idx, gates, num_experts: int, grouped_fn, ep: int,
     per_rank = sizes.reshape(ep, el)
     cum = jnp.cumsum(per_rank, axis=1) - per_rank  # rows of the earlier local experts in the slice
     kept_sizes = jnp.clip(send[:, None] - cum, 0, per_rank)  # (ep, E/ep)
-    dest_start = jnp.cumsum(want) - want  # in the sorted rows, where each receiver's slice starts
-    pos = jnp.arange(n)
-    dest = jnp.searchsorted(jnp.cumsum(want), pos, side="right")  # receiver of each sorted row
-    keep_sorted = pos - dest_start[jnp.clip(dest, 0, ep - 1)] < send[jnp.clip(dest, 0, ep - 1)]
     slice_starts = jnp.cumsum(wanted, axis=1) - wanted  # [i, j]: sender i's slice for receiver j starts here
+    dest_start = slice_starts[me]  # (ep,) in this rank's sorted rows
+    pos = jnp.arange(n)
+    dest = jnp.clip(jnp.searchsorted(jnp.cumsum(want), pos, side="right"), 0, ep - 1)  # (N,) receiver per row
+    keep_sorted = pos - dest_start[dest] < send[dest]  # (N,) the head of each receiver's slice is sent
     recv = table[:, me]  # (ep,) rows from each sender
     # (what a sender sends is the head of its slice)
-    buf = exchange(xs, jnp.zeros((rows_cap, d), xs.dtype), dest_start, send, before[me], recv, axis_name=AXIS)
+    # Offsets clamped into the buffers: a size-0 send (a sender past a full receiver) keeps a valid offset.
+    buf = exchange(xs, jnp.zeros((rows_cap, d), xs.dtype), jnp.minimum(dest_start, n - 1), send,
+                   jnp.minimum(before[me], rows_cap - 1), recv, axis_name=AXIS)
     counts = jax.lax.all_to_all(kept_sizes, AXIS, 0, 0, tiled=True)  # (ep senders, E/ep) as received
     group_sizes = jnp.sum(counts, axis=0).astype(jnp.int32)
     rows, total = jnp.arange(rows_cap), jnp.sum(recv)
     if el > 1:  # sender-major -> expert-major
         local = jnp.repeat(jnp.tile(jnp.arange(el), ep), counts.reshape(-1), total_repeat_length=rows_cap)
         perm = jnp.argsort(jnp.where(rows < total, local, el), stable=True)  # padding rows sort last
-        ys = _grouped_by_windows(grouped_fn, buf[perm], group_sizes, rows_cap // n)[jnp.argsort(perm)]
+        ys = _grouped_by_windows(grouped_fn, buf[perm], group_sizes, windows)[jnp.argsort(perm)]
     else:
-        ys = _grouped_by_windows(grouped_fn, buf, group_sizes, rows_cap // n)
+        ys = _grouped_by_windows(grouped_fn, buf, group_sizes, windows)
     ys = jnp.where((rows < total)[:, None], ys, 0)
     # Back: the rows from sender i (at `before` offsets here) return to where they came from.
-    back = exchange(ys, jnp.zeros((n, d), ys.dtype), jnp.cumsum(recv) - recv, recv, slice_starts[:, me], send,
-                    axis_name=AXIS)
+    back = exchange(ys, jnp.zeros((n, d), ys.dtype), jnp.minimum(jnp.cumsum(recv) - recv, rows_cap - 1), recv,
+                    jnp.minimum(slice_starts[:, me], n - 1), send, axis_name=AXIS)
     back = jnp.where(keep_sorted[:, None], back, 0)
     inverse = jnp.argsort(order)
     ys = back[inverse].reshape(b, t, k, d)
