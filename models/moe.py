@@ -98,9 +98,8 @@ def _grouped_swiglu(xs, sizes, ws, gather, chunks: int, mm):
     more forward of the expert matmuls in the backward (more where an enclosing scan is rematerialised
     too, as the expert-parallel windows are). Inside the manual region `par.weight` has already gathered
     whole weights (`gather` is the identity): there only the intermediates shrink. The slices cut each
-    rank's local F, and all three
-    weights the same way, so any layout of F over the mesh gathers to the same permutation of F for all
-    three (a SwiGLU does not depend on the order of its hidden units)."""
+    rank's local F, and all three weights the same way, so any layout of F over the mesh gathers to the
+    same permutation of F for all three (a SwiGLU does not depend on the order of its hidden units)."""
     def swiglu(wg, wu, wd):
         return mm(jax.nn.silu(mm(xs, wg)) * mm(xs, wu), wd)
 
