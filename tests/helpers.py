@@ -91,3 +91,18 @@ def loss_grads_and_steps(config, devices, steps=5):
         state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
         losses.append(float(metrics["loss"]))
     return float(loss), grads, losses
+
+
+def bf16_train_eval_resume(config, workdir):
+    """`config` in bf16 end to end: eval and checkpoint at step 2, then a rerun resumes to 4; both eval
+    losses finite and plausible."""
+    from parallax.train import train_and_evaluate
+
+    config.model.dtype = "bfloat16"
+    config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1)
+    config.optim.decay_steps = 4
+    first = train_and_evaluate(config, str(workdir), log=lambda *_: None)
+    config.train.steps = 4
+    second = train_and_evaluate(config, str(workdir), log=lambda *_: None)
+    assert [r["step"] for r in second.history] == [3, 4]
+    assert all(np.isfinite(x) and 0 < x < 10 for x in (first.eval_loss, second.eval_loss))

@@ -237,17 +237,10 @@ def test_a_model_with_splash_attention_matches_one_device_blockwise(mesh, blockw
 def test_splash_in_the_manual_region_trains_evaluates_checkpoints_and_resumes_in_bf16(tmp_path):
     """attention_impl=splash at tensor 2 x data 4 in bf16, end to end: eval and checkpoint at step 2, a
     rerun resumes to 4."""
-    from parallax.train import train_and_evaluate
+    from helpers import bf16_train_eval_resume
 
     config = _splash_config("splash", tensor=2, data=4)
-    config.model.dtype = "bfloat16"
-    config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1)
-    config.optim.decay_steps = 4
-    first = train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
-    config.train.steps = 4
-    second = train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
-    assert [r["step"] for r in second.history] == [3, 4]
-    assert all(np.isfinite(x) and 0 < x < 10 for x in (first.eval_loss, second.eval_loss))
+    bf16_train_eval_resume(config, tmp_path)
 
 
 def test_splash_where_it_cannot_run_is_a_config_error():

@@ -544,18 +544,11 @@ def test_seq_parallel_is_rejected():
 def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path, mesh, moe):
     """EP in bf16, end to end: eval and checkpoint at step 2, a rerun resumes to 4; and dropless dispatch
     per batch shard with the expert width in slices."""
-    from parallax.train import train_and_evaluate
+    from helpers import bf16_train_eval_resume
     config = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
     config.mesh.update(mesh)
     config.model.moe.update(moe)
-    config.model.dtype = "bfloat16"
-    config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1)
-    config.optim.decay_steps = 4
-    first = train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
-    config.train.steps = 4
-    second = train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
-    assert [r["step"] for r in second.history] == [3, 4]
-    assert all(np.isfinite(x) and 0 < x < 10 for x in (first.eval_loss, second.eval_loss))
+    bf16_train_eval_resume(config, tmp_path)
 
 
 def _abstract_batch(trainer):
