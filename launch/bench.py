@@ -5,6 +5,7 @@
     python launch/bench.py --part=data [--data_gb=1] [--data_dir=/tmp/parallax_bench_data]   # prepare_data
     python launch/bench.py --part=device --cpu_devices=0 [--steps=30]  # on a GPU / TPU machine: tokens/s/chip, MFU
     python launch/bench.py --part=device --smoke                       # the same script, tiny, on CPU (a test)
+    python launch/bench.py --part=generate --cpu_devices=1             # decode tokens/s, KV cache vs none
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
 the memory figures are XLA's own (`compiled.memory_analysis()`, per device); the Muon figures are XLA's
@@ -19,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
-flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "device"],
+flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "device", "generate"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
@@ -394,6 +395,36 @@ def bench_device(steps: int, smoke: bool):
               f"{record['tokens_per_sec_per_device']:,.0f} | {dt:.3f} | {mfu} | {loss:.3f} |", flush=True)
 
 
+def bench_generate():
+    """Tokens/s of `parallax.generate` with and without the KV cache: the bench model (8 layers, d_model 128)
+    with a 1,040-token window, a batch of 4 prompts of 16 tokens, greedy, 256 and 1,024 new tokens."""
+    import time
+
+    import jax
+
+    from parallax.generate import generate
+    from parallax.trainer import Trainer
+
+    config = _config()
+    config.train.seq_len = 1040
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    params = trainer.init_state(0)["params"]
+    prompts = [[(7 * r + i) % 256 for i in range(16)] for r in range(4)]
+    print("| new tokens | KV cache: tokens/s | no cache (window recomputed): tokens/s | speed-up |\n|---|---|---|---|")
+    for new in (256, 1024):
+        rates = []
+        for cache in (True, False):
+            def run():
+                return generate(trainer.graphdef, params, prompts, new, config.train.seq_len, cache=cache,
+                                par=trainer.plan.parallelism)
+            if cache:
+                run()  # compile (the window sampler compiles its one step on the first token)
+            start = time.perf_counter()
+            outs = run()
+            rates.append(sum(len(o) for o in outs) / (time.perf_counter() - start))
+        print(f"| {new} | {rates[0]:,.0f} | {rates[1]:,.0f} | {rates[0] / rates[1]:.1f}x |", flush=True)
+
+
 def main(_):
     if FLAGS.part == "device" and not FLAGS.cpu_devices:  # the overlap flags a training run would set
         from parallax.mesh import apply_platform_flags, detect_platform
@@ -411,7 +442,7 @@ def main(_):
     logging.set_verbosity(logging.WARNING)
     import jax
 
-    if FLAGS.part != "device":
+    if FLAGS.part not in ("device", "generate"):
         print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices; model: 8 layers, "
               f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")
     if FLAGS.part in ("all", "mesh"):
@@ -422,6 +453,8 @@ def main(_):
         bench_muon()
     if FLAGS.part == "device":
         bench_device(2 if FLAGS.smoke else FLAGS.steps, FLAGS.smoke)
+    if FLAGS.part == "generate":
+        bench_generate()
 
 
 if __name__ == "__main__":

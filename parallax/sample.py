@@ -1,48 +1,20 @@
-"""Text generation from a trained decoder (no KV cache: a short sample for humans, not a server)."""
+"""Text from a training run's latest checkpoint: `sample_from_workdir` (what `launch/sample.py` prints), on one
+device or on a mesh of the visible devices. The generator itself is `parallax.generate`."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from parallax.model import DENSE, Parallelism, forward
-
-
-def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int, *, temperature: float = 0.8,
-             seed: int = 0, par: Parallelism = DENSE) -> np.ndarray:
-    """Samples `num_tokens` after `prompt` (1-D int array) with a sliding window of `seq_len` tokens.
-
-    `graphdef` / `params` are any `parallax.model.Model`'s (run through the contract: embed, blocks, logits);
-    `par` a one-device `Parallelism` (the plan's: its attention block size).
-    """
-
-    @jax.jit
-    def next_token(params, window, length, key):
-        model = nnx.merge(graphdef, params)
-        positions = jnp.arange(seq_len)[None]  # (1, S)
-        segment_ids = (positions < length).astype(jnp.int32)  # real tokens are segment 1, the rest padding
-        batch = {"inputs": window[None], "segment_ids": segment_ids, "positions": positions}
-        logits = model.logits(forward(model, batch, par=par), par)[0, length - 1]  # (V,)
-        if temperature <= 0:
-            return jnp.argmax(logits)
-        return jax.random.categorical(key, logits / temperature)
-
-    out = [int(t) for t in prompt]
-    key = jax.random.key(seed)
-    for i in range(num_tokens):
-        context = out[-seq_len:]
-        window = np.zeros(seq_len, np.int32)
-        window[: len(context)] = context
-        token = next_token(params, jnp.asarray(window), jnp.int32(len(context)), jax.random.fold_in(key, i))
-        out.append(int(token))
-    return np.asarray(out[len(prompt):], np.int32)
+from parallax.generate import generate
 
 
-def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperature: float = 0.8) -> str:
-    """Restores the latest checkpoint of `workdir` onto one device and continues `prompt`, encoded and the
-    sample decoded by the run's tokenizer (`WORKDIR/tokenizer`; token ids for an id-only corpus)."""
+def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
+    """(trainer, params, step, tokenizer or None) of the latest checkpoint in `workdir`, restored onto
+    `devices` (default: one device, or as many as `mesh` needs) with the parameters sharded by the training
+    rules over `mesh` ({axis: size}; axes not named are 1; default: every axis 1)."""
+    import math
+
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
@@ -54,25 +26,51 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; train first (make train)")
     config = load_saved_config(path.read_text())
+    mesh = dict(mesh or {})
+    unknown = set(mesh) - set(config.mesh)
+    if unknown:
+        raise ConfigError(f"mesh axis {sorted(unknown)[0]!r}: not one of {', '.join(config.mesh)}")
     for axis in config.mesh:
-        config.mesh[axis] = 1
-    trainer = Trainer(config, devices=jax.devices()[:1])
+        config.mesh[axis] = int(mesh.get(axis, 1))
+    n = math.prod(config.mesh.values())
+    if devices is None:
+        if n > len(jax.devices()):
+            raise ConfigError(f"mesh {mesh} needs {n} devices, {len(jax.devices())} visible"
+                              + ("; on CPU simulate more with --cpu_devices" if jax.default_backend() == "cpu" else ""))
+        devices = jax.devices()[:n]
+    trainer = Trainer(config, devices=devices)
     checkpointer = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1, cleanup=False)  # a reader
     step = checkpointer.latest_step()
     if step is None:
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train first (make train)")
     params = checkpointer.restore(trainer.abstract_state(), step)["params"]
     checkpointer.close()
-    tok = workdir_tokenizer(workdir, config)
+    return trainer, params, step, workdir_tokenizer(workdir, config)
+
+
+def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int = 0, temperature: float = 0.8, *,
+                        top_k: int = 0, top_p: float = 1.0, seed: int = 0, mesh: dict | None = None) -> str:
+    """Restores the latest checkpoint of `workdir` (onto one device, or sharded over `mesh`) and continues
+    `prompt` (one string, or a list: one batch), encoded and decoded by the run's tokenizer
+    (`WORKDIR/tokenizer`; the prompt's bytes as ids for an id-only corpus). Stops a row at the tokenizer's
+    eos. Sampling as `parallax.generate.generate`."""
+    from parallax.sharding import activation_sharding
+
+    trainer, params, step, tok = load_workdir(workdir, mesh)
+    config = trainer.config
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
     if tok is not None:
-        data = np.asarray(tok.prompt(prompt), np.int32)
+        ids = [tok.prompt(t) for t in texts]
     else:  # an id-only corpus: the prompt's bytes, as ids
-        data = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size
-    tokens = generate(trainer.graphdef, params, data, num_tokens or config.train.sample_tokens,
-                      config.train.seq_len, temperature=temperature, par=trainer.plan.parallelism)
+        ids = [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size for t in texts]
+    with activation_sharding(trainer.mesh, trainer.plan.rules):
+        outs = generate(trainer.graphdef, params, ids, num_tokens or config.train.sample_tokens, config.train.seq_len,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        eos_id=None if tok is None else tok.eos_id, par=trainer.plan.parallelism,
+                        vocab_size=config.model.vocab_size)
     if tok is not None:
-        return f"step {step} sample:\n{prompt}{tok.decode(tokens.tolist())}"
-    return f"step {step} sample (token ids): {' '.join(map(str, tokens.tolist()))}"
+        return "\n".join(f"step {step} sample:\n{text}{tok.decode(out.tolist())}" for text, out in zip(texts, outs))
+    return "\n".join(f"step {step} sample (token ids): {' '.join(map(str, out.tolist()))}" for out in outs)
 
 
 def workdir_tokenizer(workdir: str, config):

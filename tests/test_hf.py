@@ -273,7 +273,8 @@ def test_import_takes_the_hf_tokenizer_along_and_sampling_encodes_and_decodes_th
     prompt is encoded by it, the sample is decoded by it (checked against transformers' own), export writes it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from parallax.sample import generate, sample_from_workdir
+    from parallax.generate import generate
+    from parallax.sample import sample_from_workdir
 
     hf_dir = str(tmp_path / "hf")
     shutil.copytree(checkpoints["llama"][0], hf_dir)
@@ -292,8 +293,8 @@ def test_import_takes_the_hf_tokenizer_along_and_sampling_encodes_and_decodes_th
     trainer, params = _import(hf_dir)
     ids = fast.encode(prompt, add_special_tokens=False)
     assert ids and max(ids) > 3  # real merges, not bytes
-    out = generate(trainer.graphdef, params, np.asarray(ids, np.int32), 6, 16, temperature=0,
-                   par=trainer.plan.parallelism)
+    out, = generate(trainer.graphdef, params, [ids], 6, 16, temperature=0, eos_id=fast.eos_token_id,
+                    par=trainer.plan.parallelism)
     assert sample == f"step 0 sample:\n{prompt}{fast.decode(out.tolist(), skip_special_tokens=True)}", sample
     names = hf.export_workdir(work, str(tmp_path / "out"), devices=jax.devices()[:1], log=lambda *_: None)
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(names)

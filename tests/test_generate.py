@@ -1,0 +1,132 @@
+"""Generation (parallax/generate.py): KV-cache decode equals the window-recomputing sampler token for token on
+every shipped model, a batch of prompts of different lengths; on an fsdp x tensor mesh it equals one device;
+the sampling options and the errors."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import ROOT, tiny_config
+from parallax.defaults import load_config_file
+from parallax.errors import ConfigError
+from parallax.generate import generate
+from parallax.sharding import activation_sharding
+from parallax.trainer import Trainer
+
+PROMPTS = [[5, 9, 11, 3, 7], [42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]  # lengths 5, 1, 11
+NEW = 20
+
+
+def _config(model, **mesh):
+    if model == "moe":
+        config = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
+        for axis in config.mesh:
+            config.mesh[axis] = mesh.get(axis, 1)
+        config.model.moe.dispatch = "ragged"  # dropless: a token's experts do not depend on the other tokens
+    else:
+        config = tiny_config(model, **mesh)
+    config.model.init_std = 0.3  # random weights whose greedy continuations are not one repeated token
+    return config
+
+
+def _model(config, devices=1):
+    trainer = Trainer(config, devices=jax.devices()[:devices])
+    return trainer, trainer.init_state(0)["params"]
+
+
+def _generate(trainer, params, prompts=PROMPTS, num_tokens=NEW, **kwargs):
+    with activation_sharding(trainer.mesh, trainer.plan.rules):
+        return generate(trainer.graphdef, params, prompts, num_tokens, trainer.config.train.seq_len,
+                        par=trainer.plan.parallelism, vocab_size=trainer.config.model.vocab_size, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _model(_config("llama"))
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "moe"])
+def test_kv_cache_decode_equals_the_window_sampler(model, llama):
+    trainer, params = llama if model == "llama" else _model(_config(model))
+    for kwargs in (dict(), dict(temperature=1.0, seed=5)):  # greedy; sampled: the same draws from the same logits
+        cached = _generate(trainer, params, cache=True, **kwargs)
+        window = _generate(trainer, params, cache=False, **kwargs)
+        for row, (a, b) in enumerate(zip(cached, window)):
+            if kwargs:
+                assert len(set(b.tolist())) >= 8, (row, b)  # a continuation that can tell a wrong position apart
+            np.testing.assert_array_equal(a, b, err_msg=f"{model} row {row} {kwargs}")
+
+
+def test_decode_on_fsdp_tensor_mesh_equals_one_device(llama):
+    trainer, params = llama
+    mesh_trainer, mesh_params = _model(_config("llama", fsdp=2, tensor=2), devices=4)
+    assert "tensor" in str(jax.tree.leaves(mesh_params)[-1].sharding.spec) or any(
+        "tensor" in str(leaf.sharding.spec) for leaf in jax.tree.leaves(mesh_params))
+    for kwargs in (dict(), dict(temperature=1.0, top_k=20, top_p=0.9, seed=3)):
+        one = _generate(trainer, params, **kwargs)
+        sharded = _generate(mesh_trainer, mesh_params, **kwargs)
+        for a, b in zip(one, sharded):
+            np.testing.assert_array_equal(a, b, err_msg=str(kwargs))
+
+
+def test_sampling_options_and_eos(llama):
+    trainer, params = llama
+    greedy = _generate(trainer, params)
+    for kwargs in (dict(top_k=1), dict(top_p=1e-6)):  # one candidate left: sampling is greedy
+        for a, b in zip(_generate(trainer, params, temperature=1.5, seed=7, **kwargs), greedy):
+            np.testing.assert_array_equal(a, b, err_msg=str(kwargs))
+    sampled = [_generate(trainer, params, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    assert all(np.array_equal(a, b) for a, b in zip(sampled[0], sampled[1]))  # a seed gives one sample
+    assert not all(np.array_equal(a, b) for a, b in zip(sampled[0], sampled[2]))
+    eos = int(greedy[0][2])
+    stopped = _generate(trainer, params, eos_id=eos)
+    for a, g in zip(stopped, greedy):  # each row ends before its first eos
+        first = np.flatnonzero(g == eos)
+        np.testing.assert_array_equal(a, g[: first[0]] if len(first) else g)
+    assert len(stopped[0]) == 2
+
+
+def test_bad_inputs_are_one_line_errors(llama):
+    trainer, params = llama
+    seq = trainer.config.train.seq_len
+    for prompts, kwargs, match in (([[1], []], {}, "prompt 1 is empty"),
+                                   ([[1, 999]], {}, "token id 999 outside the vocabulary"),
+                                   ([[1] * seq], dict(cache=True), "more than the cache's seq_len"),
+                                   ([[1]], dict(top_p=0.0), "top_p=0.0"),
+                                   ([[1]], dict(temperature=-1), "temperature=-1")):
+        with pytest.raises(ConfigError, match=match):
+            _generate(trainer, params, prompts, **kwargs)
+    # longer than the window: the default recomputes a sliding window (the sampler before the cache)
+    assert [len(o) for o in _generate(trainer, params, [[1] * (seq - 2)], num_tokens=4)] == [4]
+
+
+def test_a_model_whose_embed_attends_falls_back_to_the_window():
+    config = _config("moe")
+    config.model.moe.update(first_dense=1, dense_d_ff=64)
+    trainer, params = _model(config)
+    with pytest.raises(ConfigError, match="embed attends"):
+        _generate(trainer, params, num_tokens=3, cache=True)
+    for a, b in zip(_generate(trainer, params, num_tokens=3), _generate(trainer, params, num_tokens=3, cache=False)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sample_launcher_batches_prompts_on_a_mesh(tmp_path):
+    """`launch/sample.py` with two prompts, sharded over data x tensor on simulated devices: one block per
+    prompt; a bad --mesh is one line and exit 2."""
+    from helpers import run_launcher
+    from parallax.train import train_and_evaluate
+
+    config = tiny_config()
+    config.train.update(steps=1, checkpoint_every=1, eval_every=0, log_every=1)
+    workdir = str(tmp_path / "run")
+    train_and_evaluate(config, workdir, devices=jax.devices()[:1], log=lambda *_: None)
+    done = run_launcher("sample", f"--workdir={workdir}", "--prompt=ab", "--prompt=abcdef", "--tokens=3",
+                        "--mesh=data=2,tensor=2", "--cpu_devices=4", timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step 1 sample")]
+    assert len(lines) == 2 and all(len(line.split(":")[-1].split()) == 3 for line in lines), done.stdout
+    bad = run_launcher("sample", f"--workdir={workdir}", "--mesh=tensor", timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "config error: --mesh=tensor: 'tensor' is not axis=size with a positive size, e.g. fsdp=2,tensor=2"]
