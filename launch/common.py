@@ -1,5 +1,6 @@
 """Shared flag handling for the launch scripts: --config, strict --config.* overrides, --workdir,
---cpu_devices, and the exit-status contract (2 for a config error, with one line on stderr)."""
+--cpu_devices, and the exit-status contract (2 for a config error, with one line on stderr; 130 for a
+Ctrl-C that stops at once, also with one line)."""
 
 import sys
 
@@ -31,7 +32,13 @@ def cli_main(run, needs_config):
     if extra_flags:
         extra_flags()
 
-    def main(_):
+    def main(argv):
+        try:
+            _main(argv)
+        except KeyboardInterrupt:  # a Ctrl-C the run did not turn into a save (a second one, or too early)
+            _interrupted_exit(flags.FLAGS.workdir)
+
+    def _main(_):
         from absl import logging
 
         logging.set_verbosity(logging.WARNING)  # keep orbax's and jax's INFO chatter out of the progress display
@@ -89,6 +96,26 @@ def _config_exit(error):
     sys.exit(2)
 
 
+def _latest_checkpoint(workdir):
+    """The latest step saved under `workdir/checkpoints`, or None (read from the directory names: no jax)."""
+    import os
+
+    ckpts = os.path.join(workdir or "", "checkpoints")
+    steps = [int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if n.isdigit()]
+    return max(steps, default=None)
+
+
+def _interrupted_exit(workdir):
+    """One line and exit 130 (128 + SIGINT) at once: `os._exit`, so no thread (an async save) is waited for."""
+    import os
+
+    step = _latest_checkpoint(workdir)
+    resume = "" if step is None else f"; rerun the same command to resume from the last checkpoint (step {step})"
+    sys.stdout.flush()
+    print(f"interrupted (SIGINT): stopped at once without saving{resume}", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 def _mark_done():
     from parallax import distributed
 
@@ -134,9 +161,7 @@ def _peer_exit(error, workdir, lost=None):
     runtime_error = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
     if lost is None and (not isinstance(error, runtime_error) or jax.process_count() == 1):
         raise error
-    ckpts = os.path.join(workdir or "", "checkpoints")
-    steps = [int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if n.isdigit()]
-    print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), max(steps, default=None),
+    print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), _latest_checkpoint(workdir),
                                      lost=lost), file=sys.stderr, flush=True)
     os._exit(3)  # not sys.exit: JAX's shutdown would wait for the lost peer
 

@@ -5,10 +5,12 @@
 
 Rerunning the same command with the same workdir resumes from the latest checkpoint. A config error exits
 with status 2 and one line naming the key, the value and what would be valid; a non-finite loss exits 1
-with one line; SIGTERM saves a checkpoint and exits 143.
+with one line; SIGTERM saves a checkpoint and exits 143, and so does Ctrl-C (SIGINT), exiting 130 (a second
+Ctrl-C stops at once without saving, also exit 130 with one line).
 """
 
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,8 +26,8 @@ def run(config, flags):
     except TrainingError as e:
         print(f"training stopped: {e}", file=sys.stderr)
         sys.exit(1)
-    if result.preempted:
-        sys.exit(143)  # 128 + SIGTERM: the scheduler sees an interrupted job, and a rerun resumes it
+    if result.preempted:  # 128 + the signal (SIGTERM, or a preemption notice: 143; Ctrl-C: 130): the
+        sys.exit(128 + (result.stop_signal or signal.SIGTERM))  # scheduler sees an interrupted job, a rerun resumes
 
 
 if __name__ == "__main__":
