@@ -73,6 +73,25 @@ def test_bad_input_exits_2_with_one_line(args, expected, tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+def test_a_mesh_on_one_visible_device_names_cpu_devices(tmp_path):
+    one_device = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                          if not f.startswith("--xla_force_host_platform_device_count"))
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.mesh.fsdp=2",
+                        env={**os.environ, "XLA_FLAGS": one_device}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "config error: config.mesh.data=-1: the other axes multiply to 2, which does not divide the 1 device; make "
+        "their product a divisor of 1; only 1 device visible: on CPU, simulate 2 with --cpu_devices=2"], proc.stderr
+    assert not os.path.exists(tmp_path / "run")
+    from parallax.mesh import resolve_axis_sizes
+    with pytest.raises(ConfigError, match=r"^config.mesh \(fsdp=4\) has 4 devices but 2 are available; make the "
+                                          r"product 2 \(or set one axis to -1\); only 2 devices visible: on CPU, "
+                                          r"simulate 4 with --cpu_devices=4$"):
+        resolve_axis_sizes({"data": 1, "fsdp": 4}, 2, "cpu")
+    with pytest.raises(ConfigError, match=r"available; make the product 2 \(or set one axis to -1\)$"):
+        resolve_axis_sizes({"data": 1, "fsdp": 4}, 2, "tpu")  # real chips: --cpu_devices is no fix
+
+
 BAD_FILES = [
     ("def get_config(:\n    pass\n", r"--config=\S+bad.py:1: SyntaxError: "),
     ("from parallax.defaults import default_config\n\ndef get_config():\n    return 1 / 0\n",
