@@ -17,7 +17,7 @@ import ml_collections
 
 from parallax.config import apply_override, config_from_json
 from parallax.errors import ConfigError
-from parallax.model import model_class, model_config_defaults
+from parallax.model import config_file_dir, model_class, model_config_defaults, resolve_model_name
 from parallax.sharding import make_rules
 
 
@@ -26,7 +26,10 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     of group `parallax.models`, e.g. `llama`), `package.module:Class`, or `path/to/file.py:Class`.
     `config.model` holds the generic model keys (`parallax.model.GENERIC_KEYS`) and the model's own (its
     `config_defaults()`). The dict is locked: setting a key not listed here (a typo such as
-    `config.train.stpes = 5`) raises instead of adding a key nothing reads; so do overrides of such keys."""
+    `config.train.stpes = 5`) raises instead of adding a key nothing reads; so do overrides of such keys.
+    A relative `file.py` is found next to the config file being loaded, else in the current directory, and
+    `config.model.name` holds it absolute (`parallax.model.resolve_model_name`)."""
+    model = resolve_model_name(model)
     c = ml_collections.ConfigDict()
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, pipe=1, expert=1, seq=1, tensor=1))
     c.model = ml_collections.ConfigDict(model_config_defaults(model))
@@ -68,6 +71,7 @@ def with_defaults(saved):
     config = default_config(saved.model.name)
     with config.unlocked():
         overlay(config, saved)
+    config.model.name = resolve_model_name(config.model.name)  # a relative one, saved before names were absolute
     return config
 
 
@@ -95,10 +99,15 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise ConfigError(f"--config={path}: the file defines no get_config(); add one returning a ConfigDict")
-        return module.get_config()
+        with config_file_dir(os.path.dirname(os.path.abspath(path))):  # its model file is found next to it
+            spec.loader.exec_module(module)
+            if not hasattr(module, "get_config"):
+                raise ConfigError(f"--config={path}: the file defines no get_config(); add one returning a "
+                                  "ConfigDict")
+            config = module.get_config()
+            if "model" in config and "name" in config.model:  # e.g. set after default_config(): absolute too
+                config.model.name = resolve_model_name(config.model.name)
+            return config
     except ConfigError:
         raise
     except SyntaxError as e:  # also IndentationError
@@ -140,8 +149,11 @@ def _raising_config_dict(tb):
 
 
 def config_from_args(path: str, overrides: list[tuple[str, str]]):
-    """Loads a config file and applies the dotted overrides, strictly."""
+    """Loads a config file and applies the dotted overrides, strictly (a relative `model.name` file given as
+    an override is relative to the current directory, and stored absolute)."""
     config = load_config_file(path)
     for key, value in overrides:
         apply_override(config, key, value)
+    if "model" in config and "name" in config.model:
+        config.model.name = resolve_model_name(config.model.name)
     return config
