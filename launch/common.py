@@ -27,7 +27,10 @@ def cli_main(run, needs_config):
     flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run (--config.dist.num_processes).")
     flags.DEFINE_integer("process_id", None, "This process's id in a multi-process run (--config.dist.process_id).")
     flags.DEFINE_bool("platform_flags", True, "Set the compiler's overlap flags for this platform (TPU: "
-                      "LIBTPU_INIT_ARGS, GPU: XLA_FLAGS) unless the variable already sets them; see docs/parallelism.md.")
+                      "LIBTPU_INIT_ARGS, GPU: XLA_FLAGS) unless the variable already sets them; see "
+                      "docs/parallelism.md.")
+    for name in ("config", "workdir", "cpu_devices", "coordinator", "num_processes", "process_id", "platform_flags"):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])  # listed by --help, not --helpfull
     extra_flags = getattr(run, "define_flags", None)
     if extra_flags:
         extra_flags()
@@ -48,7 +51,8 @@ def cli_main(run, needs_config):
             simulate_cpu_devices(flags.FLAGS.cpu_devices)
         elif flags.FLAGS.platform_flags:
             _platform_flags()
-        if not flags.FLAGS.workdir:
+        inspect_only = getattr(run, "inspect_only", lambda _: False)(flags.FLAGS)  # e.g. train.py --dry_run
+        if not flags.FLAGS.workdir and not inspect_only:
             _config_exit(ConfigError("--workdir is required, e.g. --workdir=/tmp/run1"))
         config = None
         if needs_config == "optional":
@@ -65,7 +69,8 @@ def cli_main(run, needs_config):
             _config_exit(ConfigError("--config.* overrides are not used by this command"))
         try:
             # After the config (it may name the coordinator), before anything touches the devices.
-            _initialize_distributed(config, flags.FLAGS.workdir)
+            if not inspect_only:
+                _initialize_distributed(config, flags.FLAGS.workdir)
             try:
                 run(config, flags.FLAGS)
             except SystemExit:  # a deliberate stop (e.g. 143 after saving on SIGTERM): not a lost process

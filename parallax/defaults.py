@@ -2,7 +2,8 @@
 
 Experiment files (`get_config()`) start from `default_config` and change only what differs; a run's saved
 `config.json` is laid over today's defaults (`load_saved_config`). `load_config_file` / `config_from_args`
-load either kind, strictly: a bad file or override is a one-line `ConfigError`.
+load either kind, strictly: a bad file or override is a one-line `ConfigError`. `config_source` writes a
+resolved config back as a config file that spells out every key.
 """
 
 from __future__ import annotations
@@ -157,3 +158,49 @@ def config_from_args(path: str, overrides: list[tuple[str, str]]):
     if "model" in config and "name" in config.model:
         config.model.name = resolve_model_name(config.model.name)
     return config
+
+
+def config_source(config: ml_collections.ConfigDict, command: str = "") -> str:
+    """`config` as the text of a config file whose `get_config()` returns it: `default_config` of its model,
+    then every key of every section set to its value, defaults included (`launch/train.py --print_config`).
+    `command`: what produced it, for the docstring."""
+    lines = ['"""A resolved config, every key spelled out' + (f": that of\n\n    {command}\n" if command else "."),
+             "Train with it:", "", "    python launch/train.py --config=THIS_FILE --workdir=DIR", '"""', "",
+             "from parallax.defaults import default_config", "", "", "def get_config():",
+             f"    config = default_config(model={config.model.name!r})"]
+
+    base = default_config(config.model.name)
+
+    def section(path, node, default):
+        leaves = {k: v for k, v in node.items() if not isinstance(v, ml_collections.ConfigDict)}
+        retyped = {}  # keys whose value ConfigDict would refuse in place: another type than the default's
+        for key, value in leaves.items():
+            try:
+                default[key] = value
+            except (TypeError, AttributeError, KeyError):
+                retyped[key] = value
+        leaves = {k: v for k, v in leaves.items() if k not in retyped}
+        if leaves:
+            named = all(k.isidentifier() for k in leaves)
+            items = [f"{k}={v!r}" if named else f"{k!r}: {v!r}" for k, v in leaves.items()]
+            lines.append(f"    config.{path}.update({'' if named else '{'}")
+            for item in items:  # as many as fit in 120 columns on each line
+                if lines[-1].endswith(("(", "{")) or len(lines[-1]) + len(item) + 4 > 120:  # ", " now, "," or ")" after
+                    lines[-1] += "" if lines[-1].endswith(("(", "{")) else ","
+                    lines.append("        " + item)
+                else:
+                    lines[-1] += ", " + item
+            lines[-1] += ")" if named else "})"
+        if retyped:
+            lines.append(f"    with config.{path}.unlocked():  # values of another type than the default's")
+            for key, value in retyped.items():
+                if key in default:
+                    lines.append(f"        del config.{path}[{key!r}]")
+                lines.append(f"        config.{path}[{key!r}] = {value!r}")
+        for key, value in node.items():
+            if isinstance(value, ml_collections.ConfigDict):
+                section(f"{path}.{key}", value, default[key] if key in default else ml_collections.ConfigDict())
+    for key, value in config.items():
+        section(key, value, base[key])
+    lines.append("    return config")
+    return "\n".join(lines) + "\n"

@@ -92,6 +92,46 @@ def test_a_mesh_on_one_visible_device_names_cpu_devices(tmp_path):
         resolve_axis_sizes({"data": 1, "fsdp": 4}, 2, "tpu")  # real chips: --cpu_devices is no fix
 
 
+def test_print_config_fed_back_as_the_config_trains_the_same_run(tmp_path):
+    from parallax.defaults import config_from_args
+    from parallax.train import train_and_evaluate
+
+    overrides = ["--config.train.steps=3", "--config.train.eval_every=0", "--config.train.checkpoint_every=0",
+                 "--config.optim.lr=0.003", "--config.mesh.fsdp=2"]
+    printed = {}
+    for form in ("python", "json"):
+        proc = run_launcher("train", "--config=configs/tiny.py", *overrides, f"--print_config={form}",
+                            f"--workdir={tmp_path / 'untouched'}", timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        printed[form] = tmp_path / f"resolved.{'py' if form == 'python' else 'json'}"
+        printed[form].write_text(proc.stdout)
+    assert not os.path.exists(tmp_path / "untouched")
+    original = config_from_args(os.path.join(ROOT, "configs/tiny.py"), [tuple(o[9:].split("=")) for o in overrides])
+    resolved = load_config_file(str(printed["python"]))
+    assert resolved.to_json_best_effort() == original.to_json_best_effort()
+    assert load_config_file(str(printed["json"])).to_json_best_effort() == original.to_json_best_effort()
+    runs = [train_and_evaluate(c, str(tmp_path / name), log=lambda *_: None).history
+            for c, name in ((original, "original"), (resolved, "resolved"))]
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]] and len(runs[0]) == 3
+
+
+def test_dry_run_checks_and_writes_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8",
+                        "--config.mesh.fsdp=2", "--dry_run", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh data=4 fsdp=2 (8 cpu devices)" in proc.stdout and "peak" in proc.stdout, proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run: every check passed; nothing was trained")
+    assert not os.path.exists(workdir)
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8",
+                        "--config.mesh.data=3", "--dry_run", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "config error: config.mesh (data=3) has 3 devices but 8 are available; make the product 8 (or set one "
+        "axis to -1)"], proc.stderr
+    assert not os.path.exists(workdir)
+
+
 BAD_FILES = [
     ("def get_config(:\n    pass\n", r"--config=\S+bad.py:1: SyntaxError: "),
     ("from parallax.defaults import default_config\n\ndef get_config():\n    return 1 / 0\n",
