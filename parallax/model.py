@@ -80,7 +80,7 @@ __all__ = ["Model", "Parallelism", "DENSE", "constrain", "model_class", "apply_b
 GENERIC_KEYS = {
     "name": "",  # an entry point of group `parallax.models`, `package.module:Class`, or `file.py:Class`
     "num_layers": 2,  # the number of stacked blocks (pipeline stages split it)
-    "vocab_size": 256,
+    "vocab_size": 256,  # token ids the embedding and the head cover (0: the tokenizer's, padded)
     "dtype": "float32",  # compute dtype: float32 or bfloat16 (parameters stay float32)
     "remat": "none",  # none | full | dots: rematerialisation of each block in the backward
     "attention": "dense",  # dense | ulysses | ring | allgather: attention over mesh.seq > 1

@@ -132,6 +132,19 @@ def test_dry_run_checks_and_writes_nothing(tmp_path):
     assert not os.path.exists(workdir)
 
 
+def test_config_keys_page_is_current():
+    """docs/config-keys.md is what parallax/configdoc.py prints now: a key added, removed or re-commented
+    without regenerating the page fails here (`python -m parallax.configdoc > docs/config-keys.md`)."""
+    from parallax.configdoc import config_keys_page
+
+    page = config_keys_page()
+    assert open(os.path.join(ROOT, "docs", "config-keys.md")).read() == page, (
+        "docs/config-keys.md is out of date: python -m parallax.configdoc > docs/config-keys.md")
+    for section, node in load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py")).items():
+        if section != "sharding":
+            assert all(f"`{section}.{key}`" in page for key in node if not hasattr(node[key], "keys")), section
+
+
 BAD_FILES = [
     ("def get_config(:\n    pass\n", r"--config=\S+bad.py:1: SyntaxError: "),
     ("from parallax.defaults import default_config\n\ndef get_config():\n    return 1 / 0\n",
