@@ -1,5 +1,6 @@
 """Shared flag handling for the launch scripts: --config, strict --config.* overrides, --workdir,
---cpu_devices, and the exit-status contract (2 for a config error, with one line on stderr)."""
+--cpu_devices, and the exit-status contract (2 for a config error, with one line on stderr; 130 for a
+Ctrl-C that stops at once, also with one line)."""
 
 import sys
 
@@ -26,12 +27,21 @@ def cli_main(run, needs_config):
     flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run (--config.dist.num_processes).")
     flags.DEFINE_integer("process_id", None, "This process's id in a multi-process run (--config.dist.process_id).")
     flags.DEFINE_bool("platform_flags", True, "Set the compiler's overlap flags for this platform (TPU: "
-                      "LIBTPU_INIT_ARGS, GPU: XLA_FLAGS) unless the variable already sets them; see docs/parallelism.md.")
+                      "LIBTPU_INIT_ARGS, GPU: XLA_FLAGS) unless the variable already sets them; see "
+                      "docs/parallelism.md.")
+    for name in ("config", "workdir", "cpu_devices", "coordinator", "num_processes", "process_id", "platform_flags"):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])  # listed by --help, not --helpfull
     extra_flags = getattr(run, "define_flags", None)
     if extra_flags:
         extra_flags()
 
-    def main(_):
+    def main(argv):
+        try:
+            _main(argv)
+        except KeyboardInterrupt:  # a Ctrl-C the run did not turn into a save (a second one, or too early)
+            _interrupted_exit(flags.FLAGS.workdir)
+
+    def _main(_):
         from absl import logging
 
         logging.set_verbosity(logging.WARNING)  # keep orbax's and jax's INFO chatter out of the progress display
@@ -41,7 +51,8 @@ def cli_main(run, needs_config):
             simulate_cpu_devices(flags.FLAGS.cpu_devices)
         elif flags.FLAGS.platform_flags:
             _platform_flags()
-        if not flags.FLAGS.workdir:
+        inspect_only = getattr(run, "inspect_only", lambda _: False)(flags.FLAGS)  # e.g. train.py --dry_run
+        if not flags.FLAGS.workdir and not inspect_only:
             _config_exit(ConfigError("--workdir is required, e.g. --workdir=/tmp/run1"))
         config = None
         if needs_config == "optional":
@@ -58,7 +69,8 @@ def cli_main(run, needs_config):
             _config_exit(ConfigError("--config.* overrides are not used by this command"))
         try:
             # After the config (it may name the coordinator), before anything touches the devices.
-            _initialize_distributed(config, flags.FLAGS.workdir)
+            if not inspect_only:
+                _initialize_distributed(config, flags.FLAGS.workdir)
             try:
                 run(config, flags.FLAGS)
             except SystemExit:  # a deliberate stop (e.g. 143 after saving on SIGTERM): not a lost process
@@ -87,6 +99,26 @@ def _platform_flags():
 def _config_exit(error):
     print(f"config error: {error}", file=sys.stderr)
     sys.exit(2)
+
+
+def _latest_checkpoint(workdir):
+    """The latest step saved under `workdir/checkpoints`, or None (read from the directory names: no jax)."""
+    import os
+
+    ckpts = os.path.join(workdir or "", "checkpoints")
+    steps = [int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if n.isdigit()]
+    return max(steps, default=None)
+
+
+def _interrupted_exit(workdir):
+    """One line and exit 130 (128 + SIGINT) at once: `os._exit`, so no thread (an async save) is waited for."""
+    import os
+
+    step = _latest_checkpoint(workdir)
+    resume = "" if step is None else f"; rerun the same command to resume from the last checkpoint (step {step})"
+    sys.stdout.flush()
+    print(f"interrupted (SIGINT): stopped at once without saving{resume}", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def _mark_done():
@@ -134,9 +166,7 @@ def _peer_exit(error, workdir, lost=None):
     runtime_error = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
     if lost is None and (not isinstance(error, runtime_error) or jax.process_count() == 1):
         raise error
-    ckpts = os.path.join(workdir or "", "checkpoints")
-    steps = [int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if n.isdigit()]
-    print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), max(steps, default=None),
+    print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), _latest_checkpoint(workdir),
                                      lost=lost), file=sys.stderr, flush=True)
     os._exit(3)  # not sys.exit: JAX's shutdown would wait for the lost peer
 

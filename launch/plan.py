@@ -56,7 +56,7 @@ def _devices(config):
 
         devices = tpu_devices(FLAGS.topology)
         try:
-            resolve_axis_sizes(config.mesh, len(devices))
+            resolve_axis_sizes(config.mesh, len(devices), "tpu")
         except ConfigError as e:
             raise ConfigError(f"--topology={FLAGS.topology} ({len(devices)} devices): {e}") from None
         return devices, (f"{len(devices)} x {devices[0].device_kind} (--topology={FLAGS.topology}, compiled by "

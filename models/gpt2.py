@@ -101,7 +101,14 @@ class GPT2(Model):
 
     @staticmethod
     def config_defaults() -> dict:
-        return dict(d_model=64, num_heads=4, d_ff=256, max_positions=1024, norm_eps=1e-5, init_std=0.02)
+        return dict(
+            d_model=64,  # width of the residual stream
+            num_heads=4,  # attention heads
+            d_ff=256,  # GELU MLP hidden width
+            max_positions=1024,  # learned position embeddings (train.seq_len at most)
+            norm_eps=1e-5,  # LayerNorm epsilon
+            init_std=0.02,  # std of the normal initialisation
+        )
 
     @staticmethod
     def check_config(m, sizes, config) -> None:

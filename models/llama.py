@@ -136,8 +136,16 @@ class Llama(Model):
 
     @staticmethod
     def config_defaults() -> dict:
-        return dict(d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, head_dim=0, rope_theta=10000.0,
-                    norm_eps=1e-5, init_std=0.02)
+        return dict(
+            d_model=64,  # width of the residual stream
+            num_heads=4,  # query heads
+            num_kv_heads=2,  # key / value heads (grouped-query attention; num_heads a multiple of it)
+            d_ff=128,  # SwiGLU hidden width
+            head_dim=0,  # per-head width (0: d_model / num_heads)
+            rope_theta=10000.0,  # RoPE base frequency
+            norm_eps=1e-5,  # RMSNorm epsilon
+            init_std=0.02,  # std of the normal initialisation
+        )
 
     @staticmethod
     def check_config(m, sizes, config) -> None:

@@ -59,8 +59,8 @@ from parallax.parallel import expert as ep_lib
 from parallax.parallel.manual import log_once
 
 MOE_DEFAULTS = dict(
-    num_experts=8,
-    top_k=2,
+    num_experts=8,  # routed experts per layer
+    top_k=2,  # experts each token is routed to
     d_ff_expert=64,  # hidden width of one expert
     shared_experts=0,  # always-on experts: one SwiGLU of width shared_experts * d_ff_expert
     router="softmax",  # softmax (Mixtral) | sigmoid (DeepSeek-V3)

@@ -2,7 +2,8 @@
 
 Experiment files (`get_config()`) start from `default_config` and change only what differs; a run's saved
 `config.json` is laid over today's defaults (`load_saved_config`). `load_config_file` / `config_from_args`
-load either kind, strictly: a bad file or override is a one-line `ConfigError`.
+load either kind, strictly: a bad file or override is a one-line `ConfigError`. `config_source` writes a
+resolved config back as a config file that spells out every key.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import ml_collections
 
 from parallax.config import apply_override, config_from_json
 from parallax.errors import ConfigError
-from parallax.model import model_class, model_config_defaults
+from parallax.model import config_file_dir, model_class, model_config_defaults, resolve_model_name
 from parallax.sharding import make_rules
 
 
@@ -26,31 +27,84 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     of group `parallax.models`, e.g. `llama`), `package.module:Class`, or `path/to/file.py:Class`.
     `config.model` holds the generic model keys (`parallax.model.GENERIC_KEYS`) and the model's own (its
     `config_defaults()`). The dict is locked: setting a key not listed here (a typo such as
-    `config.train.stpes = 5`) raises instead of adding a key nothing reads; so do overrides of such keys."""
+    `config.train.stpes = 5`) raises instead of adding a key nothing reads; so do overrides of such keys.
+    A relative `file.py` is found next to the config file being loaded, else in the current directory, and
+    `config.model.name` holds it absolute (`parallax.model.resolve_model_name`)."""
+    model = resolve_model_name(model)
     c = ml_collections.ConfigDict()
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, pipe=1, expert=1, seq=1, tensor=1))
+    # Every key below has its meaning in a comment on its line: `parallax/configdoc.py` builds the page of
+    # config keys (docs/config-keys.md) from them, and a test fails when a key has none.
+    c.mesh = ml_collections.ConfigDict(dict(
+        data=-1,  # data-parallel size (-1: what the other axes leave of the device count)
+        fsdp=1,  # FSDP (ZeRO-3) size: parameters, gradients and optimizer state sharded over it
+        pipe=1,  # pipeline stages (the layer stack split over them; `pipeline.*` picks the schedule)
+        expert=1,  # expert-parallel size (a batch axis for models without experts)
+        seq=1,  # sequence-parallel size (attention over it: `model.attention`)
+        tensor=1,  # tensor-parallel size (Megatron column / row splits)
+    ))
     c.model = ml_collections.ConfigDict(model_config_defaults(model))
     c.train = ml_collections.ConfigDict(dict(
-        steps=100, global_batch_size=8, seq_len=64, seed=0, microbatches=1, log_every=10, eval_every=50,
-        eval_batches=2, checkpoint_every=50, keep_checkpoints=2, async_checkpoint=True, nan_policy="stop",
-        sample_tokens=200,
-        profile_steps=()))  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
+        steps=100,  # optimizer steps of the run
+        global_batch_size=8,  # sequences per step, over all devices
+        seq_len=64,  # tokens per sequence
+        seed=0,  # parameters and data order (a batch is a function of seed, step and row)
+        microbatches=1,  # gradient accumulation: the batch in this many pieces, one at a time
+        log_every=10,  # steps between progress lines and metrics.jsonl rows
+        eval_every=50,  # steps between evals (0: none); also after the last step
+        eval_batches=2,  # batches per eval
+        checkpoint_every=50,  # steps between checkpoints (0: only the last step and on a stop signal)
+        keep_checkpoints=2,  # checkpoints kept (the oldest are deleted)
+        async_checkpoint=True,  # save in the background while training goes on
+        nan_policy="stop",  # stop | skip: on a non-finite loss or gradient, stop without saving, or skip the step
+        sample_tokens=200,  # tokens launch/sample.py generates by default
+        profile_steps=(),  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
+    ))
     c.optim = ml_collections.ConfigDict(dict(
-        name="adamw", lr=1e-3, warmup_steps=10, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
-        min_lr_ratio=0.1, decay_steps=0, schedule="cosine", wsd_decay_fraction=0.2,
-        muon_beta=0.95, muon_nesterov=True, muon_ns_steps=5, muon_scale="rms", muon_rms=0.2, muon_exclude="vocab",
-        grad_delay=0, delay_correction="none"))
-    c.pipeline = ml_collections.ConfigDict(dict(schedule="1f1b", microbatches=4, virtual_stages=1, remat=False))
-    # tokenizer: '' (the corpus's: bytes for text, a shard directory's own) or what parallax.tokenizer.load
-    # reads; eos_id -1 and model.vocab_size 0 take the tokenizer's. mixture: 'NAME=WEIGHT,...' over the
-    # sources of shard directories (path may list several, comma-separated).
-    c.data = ml_collections.ConfigDict(dict(source="synthetic", path="", eval_fraction=0.05, eos_id=-1,
-                                             sampler="random", tokenizer="", mixture=""))
-    # Multi-process runs (parallax/distributed.py): an explicit coordinator (HOST:PORT of process 0, with
-    # num_processes and this process's process_id), else detect=auto finds Slurm / multi-host TPU jobs (jax:
-    # always ask JAX's cluster detection; off: never). A peer silent for heartbeat_timeout_s fails the others.
-    c.dist = ml_collections.ConfigDict(dict(coordinator="", num_processes=0, process_id=-1, detect="auto",
-                                             heartbeat_timeout_s=100, init_timeout_s=300))
+        name="adamw",  # adamw | muon (Muon for matrices, AdamW for the rest)
+        lr=1e-3,  # peak learning rate
+        warmup_steps=10,  # linear warmup from 0 to lr
+        weight_decay=0.1,  # decoupled weight decay, of matrices only (not norm scales or biases)
+        clip_norm=1.0,  # global gradient-norm clipping (0: none)
+        b1=0.9,  # Adam's first-moment decay
+        b2=0.95,  # Adam's second-moment decay
+        eps=1e-8,  # Adam's epsilon
+        min_lr_ratio=0.1,  # the schedule ends at lr * min_lr_ratio
+        decay_steps=0,  # the schedule's length (0: train.steps); keep it to extend a run
+        schedule="cosine",  # cosine | wsd (warmup-stable-decay) | constant
+        wsd_decay_fraction=0.2,  # wsd: the final fraction of the steps that decays linearly
+        muon_beta=0.95,  # Muon's momentum
+        muon_nesterov=True,  # Muon: Nesterov momentum
+        muon_ns_steps=5,  # Muon: Newton-Schulz iterations
+        muon_scale="rms",  # rms (the update's RMS matched to AdamW's, muon_rms) | width (sqrt(d_out / d_in))
+        muon_rms=0.2,  # muon_scale=rms: the RMS of Muon's update
+        muon_exclude="vocab",  # logical names (comma-separated) whose parameters go to AdamW under Muon
+        grad_delay=0,  # 0 | 1: apply the previous step's gradient (a one-step delay)
+        delay_correction="none",  # none | error_feedback: correct for the gradient delay
+    ))
+    c.pipeline = ml_collections.ConfigDict(dict(
+        schedule="1f1b",  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | 2bw, with mesh.pipe > 1
+        microbatches=4,  # pipeline microbatches per step
+        virtual_stages=1,  # stages (chunks) per pipeline rank (interleaved_1f1b; zbv takes 2)
+        remat=False,  # store only each chunk's input and recompute its forward in the backward
+    ))
+    c.data = ml_collections.ConfigDict(dict(
+        source="synthetic",  # synthetic | text (bytes of files) | tokens (shard directories or one token file)
+        path="",  # text: a directory ('': the Python stdlib); tokens: shard directories (comma-separated) or a file
+        eval_fraction=0.05,  # the last fraction of the tokens, held out for eval
+        eos_id=-1,  # end-of-document id between documents (-1: the tokenizer's)
+        sampler="random",  # random (each row's window drawn from seed, step, row) | epoch (a seeded permutation)
+        tokenizer="",  # '' (the corpus's: bytes for text, a shard directory's own), or a file / HF directory
+        mixture="",  # 'NAME=WEIGHT,...' over the sources of the shard directories ('': no mixture)
+    ))
+    # Multi-process runs (parallax/distributed.py).
+    c.dist = ml_collections.ConfigDict(dict(
+        coordinator="",  # HOST:PORT of process 0 ('': detect, or a single process)
+        num_processes=0,  # processes in the run, with a coordinator
+        process_id=-1,  # this process's id, with a coordinator
+        detect="auto",  # auto (Slurm, multi-host TPU) | jax (always ask JAX's cluster detection) | off
+        heartbeat_timeout_s=100,  # a peer silent this long stops the others (exit 3)
+        init_timeout_s=300,  # how long to wait for every process to join
+    ))
     c.sharding = ml_collections.ConfigDict()
     c.sharding.rules = ml_collections.ConfigDict(make_rules(extra=model_class(model).rules))
     return c.lock()
@@ -68,6 +122,7 @@ def with_defaults(saved):
     config = default_config(saved.model.name)
     with config.unlocked():
         overlay(config, saved)
+    config.model.name = resolve_model_name(config.model.name)  # a relative one, saved before names were absolute
     return config
 
 
@@ -95,10 +150,15 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise ConfigError(f"--config={path}: the file defines no get_config(); add one returning a ConfigDict")
-        return module.get_config()
+        with config_file_dir(os.path.dirname(os.path.abspath(path))):  # its model file is found next to it
+            spec.loader.exec_module(module)
+            if not hasattr(module, "get_config"):
+                raise ConfigError(f"--config={path}: the file defines no get_config(); add one returning a "
+                                  "ConfigDict")
+            config = module.get_config()
+            if "model" in config and "name" in config.model:  # e.g. set after default_config(): absolute too
+                config.model.name = resolve_model_name(config.model.name)
+            return config
     except ConfigError:
         raise
     except SyntaxError as e:  # also IndentationError
@@ -140,8 +200,57 @@ def _raising_config_dict(tb):
 
 
 def config_from_args(path: str, overrides: list[tuple[str, str]]):
-    """Loads a config file and applies the dotted overrides, strictly."""
+    """Loads a config file and applies the dotted overrides, strictly (a relative `model.name` file given as
+    an override is relative to the current directory, and stored absolute)."""
     config = load_config_file(path)
     for key, value in overrides:
         apply_override(config, key, value)
+    if "model" in config and "name" in config.model:
+        config.model.name = resolve_model_name(config.model.name)
     return config
+
+
+def config_source(config: ml_collections.ConfigDict, command: str = "") -> str:
+    """`config` as the text of a config file whose `get_config()` returns it: `default_config` of its model,
+    then every key of every section set to its value, defaults included (`launch/train.py --print_config`).
+    `command`: what produced it, for the docstring."""
+    lines = ['"""A resolved config, every key spelled out' + (f": that of\n\n    {command}\n" if command else "."),
+             "Train with it:", "", "    python launch/train.py --config=THIS_FILE --workdir=DIR", '"""', "",
+             "from parallax.defaults import default_config", "", "", "def get_config():",
+             f"    config = default_config(model={config.model.name!r})"]
+
+    base = default_config(config.model.name)
+
+    def section(path, node, default):
+        leaves = {k: v for k, v in node.items() if not isinstance(v, ml_collections.ConfigDict)}
+        retyped = {}  # keys whose value ConfigDict would refuse in place: another type than the default's
+        for key, value in leaves.items():
+            try:
+                default[key] = value
+            except (TypeError, AttributeError, KeyError):
+                retyped[key] = value
+        leaves = {k: v for k, v in leaves.items() if k not in retyped}
+        if leaves:
+            named = all(k.isidentifier() for k in leaves)
+            items = [f"{k}={v!r}" if named else f"{k!r}: {v!r}" for k, v in leaves.items()]
+            lines.append(f"    config.{path}.update({'' if named else '{'}")
+            for item in items:  # as many as fit in 120 columns on each line
+                if lines[-1].endswith(("(", "{")) or len(lines[-1]) + len(item) + 4 > 120:  # ", " now, "," or ")" after
+                    lines[-1] += "" if lines[-1].endswith(("(", "{")) else ","
+                    lines.append("        " + item)
+                else:
+                    lines[-1] += ", " + item
+            lines[-1] += ")" if named else "})"
+        if retyped:
+            lines.append(f"    with config.{path}.unlocked():  # values of another type than the default's")
+            for key, value in retyped.items():
+                if key in default:
+                    lines.append(f"        del config.{path}[{key!r}]")
+                lines.append(f"        config.{path}[{key!r}] = {value!r}")
+        for key, value in node.items():
+            if isinstance(value, ml_collections.ConfigDict):
+                section(f"{path}.{key}", value, default[key] if key in default else ml_collections.ConfigDict())
+    for key, value in config.items():
+        section(key, value, base[key])
+    lines.append("    return config")
+    return "\n".join(lines) + "\n"

@@ -424,9 +424,12 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
                                          async_save=False)
     checkpointer.maybe_save(0, state, force=True)
     checkpointer.close()
+    # on simulated CPU devices the mesh needs as many again (--cpu_devices), or the command fails on one
+    simulated = trainer.mesh.size > 1 and jax.default_backend() == "cpu"
+    simulated = f" --cpu_devices={trainer.mesh.size}" if simulated else ""
     log(f"imported {hf_dir} ({ckpt.name}, {trainer.num_params / 1e6:.2f}M params"
         f"{', ' + tok.describe() if tok is not None else ', no tokenizer'}) into {workdir} at step 0; "
-        f"train with: python launch/train.py --config={workdir}/config.json --workdir={workdir}")
+        f"train with: python launch/train.py --config={workdir}/config.json --workdir={workdir}{simulated}")
     return state
 
 

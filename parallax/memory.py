@@ -10,6 +10,9 @@ On simulated CPU devices the figures are the CPU compiler's: the same program an
 or TPU, but another compiler's fusion and scheduling, so temporaries can differ from a TPU's. On
 `tpu_devices(topology)`, compile-only devices of a TPU slice that libtpu describes without a TPU, they are
 the TPU compiler's own.
+
+`dry_run(config, workdir)` is `launch/train.py --dry_run`: every check a run makes before its first step,
+this memory report among them, with nothing trained or written.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 
 import jax
@@ -120,6 +124,46 @@ def memory_report(config, devices=None) -> MemoryReport:
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
         pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys),
         kernel_calls=kernel_calls)
+
+
+def dry_run(config, workdir: str | None = None, devices=None) -> str:
+    """What a run of `config` in `workdir` would check before its first step, without running or writing
+    anything: the data (read, not written), the plan and every config check, the loss and gradients traced
+    on the run's step path (`shape_check`), whether `workdir`'s checkpoints would resume with this config,
+    and XLA's compiled memory of the train step on `devices` (default: all). Returns a few lines; raises
+    ConfigError (one line) where the run would."""
+    from parallax.train import check_resume, make_dataset, resolve_data
+    from parallax.trainer import shape_check
+
+    devices = list(jax.devices() if devices is None else devices)
+    config, tokenizer = resolve_data(config)
+    dataset = make_dataset(config, tokenizer)
+    plan = make_plan(config, len(devices), devices[0].platform)
+    checked = shape_check(config, len(devices))
+    if workdir is None:
+        resume = "no --workdir: not checked against one"
+    elif not os.path.exists(os.path.join(workdir, "config.json")):
+        resume = f"{workdir}: a new run (no config.json there)"
+    else:
+        try:
+            with open(os.path.join(workdir, "config.json")) as f:
+                check_resume(config, f.read())
+        except ConfigError:
+            raise
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ConfigError(f"{workdir}/config.json: not a parallax config ({type(e).__name__}: {e}); put back "
+                              "the config.json of the run that wrote the checkpoints, or use a new --workdir") from None
+        resume = f"{workdir}: this config continues the run there (a rerun resumes from its latest checkpoint)"
+    report = memory_report(config, devices)
+    mesh = " ".join(f"{a}={n}" for a, n in plan.sizes.items() if n > 1) or "single device"
+    unit, size = ("GiB", GIB) if report.peak >= GIB else ("MiB", 2**20)
+    return "\n".join([
+        f"mesh {mesh} ({len(devices)} {devices[0].platform} devices); model {config.model.name} "
+        f"{checked['params'] / 1e6:.2f}M params; {checked['tokens_per_step']} tokens per step; {dataset.describe()}",
+        f"workdir: {resume}",
+        f"memory per device (XLA's analysis of the compiled train step): peak {report.peak / size:.3f} {unit}, "
+        f"of which parameters + optimizer state {(report.params + report.optimizer) / size:.3f} {unit}",
+        "dry run: every check passed; nothing was trained or written (launch/plan.py: does it fit a device's HBM?)"])
 
 
 def advice(config, report: MemoryReport, hbm_bytes: float) -> list[str]:

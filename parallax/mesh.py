@@ -87,8 +87,9 @@ def apply_platform_flags(platform: str, environ=os.environ, generation: str | No
     return variable, added
 
 
-def resolve_axis_sizes(mesh_config, num_devices: int) -> dict[str, int]:
-    """Returns {axis: size} with -1 inferred; raises ConfigError naming the fix on a mismatch."""
+def resolve_axis_sizes(mesh_config, num_devices: int, platform: str | None = None) -> dict[str, int]:
+    """Returns {axis: size} with -1 inferred; raises ConfigError naming the fix on a mismatch (on a CPU
+    `platform`, default the host's backend, with too few devices: the `--cpu_devices` that simulates them)."""
     sizes = {axis: int(mesh_config.get(axis, 1)) for axis in AXES}
     unknown = set(mesh_config.keys()) - set(AXES)
     if unknown:
@@ -100,24 +101,28 @@ def resolve_axis_sizes(mesh_config, num_devices: int) -> dict[str, int]:
     if len(inferred) > 1:
         raise ConfigError(f"config.mesh: only one axis may be -1, got {inferred}; set the others explicitly")
     known = math.prod(s for s in sizes.values() if s != -1)
+    devices, simulate = f"{num_devices} device{'s' if num_devices != 1 else ''}", ""
+    if known > num_devices and (platform or jax.default_backend()) == "cpu":
+        simulate = f"; only {devices} visible: on CPU, simulate {known} with --cpu_devices={known}"
     if inferred:
         if num_devices % known:
             raise ConfigError(
                 f"config.mesh.{inferred[0]}=-1: the other axes multiply to {known}, which does not divide "
-                f"the {num_devices} devices; make their product a divisor of {num_devices}")
+                f"the {devices}; make their product a divisor of {num_devices}{simulate}")
         sizes[inferred[0]] = num_devices // known
     elif known != num_devices:
         desc = ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
         raise ConfigError(
-            f"config.mesh ({desc}) has {known} devices but {num_devices} are available; make the product "
-            f"{num_devices} (or set one axis to -1)")
+            f"config.mesh ({desc}) has {known} devices but {num_devices} {'is' if num_devices == 1 else 'are'} "
+            f"available; make the product "
+            f"{num_devices} (or set one axis to -1){simulate}")
     return sizes
 
 
 def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
     """Builds the mesh with the canonical axis order; axes are Auto (the compiler propagates shardings)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_axis_sizes(mesh_config, len(devices))
+    sizes = resolve_axis_sizes(mesh_config, len(devices), devices[0].platform)
     shape = tuple(sizes[a] for a in AXES)
     try:
         from jax.experimental import mesh_utils

@@ -80,7 +80,7 @@ __all__ = ["Model", "Parallelism", "DENSE", "constrain", "model_class", "apply_b
 GENERIC_KEYS = {
     "name": "",  # an entry point of group `parallax.models`, `package.module:Class`, or `file.py:Class`
     "num_layers": 2,  # the number of stacked blocks (pipeline stages split it)
-    "vocab_size": 256,
+    "vocab_size": 256,  # token ids the embedding and the head cover (0: the tokenizer's, padded)
     "dtype": "float32",  # compute dtype: float32 or bfloat16 (parameters stay float32)
     "remat": "none",  # none | full | dots: rematerialisation of each block in the backward
     "attention": "dense",  # dense | ulysses | ring | allgather: attention over mesh.seq > 1
@@ -246,6 +246,40 @@ def _import(module_name: str, where: str):
     except ImportError as e:
         raise ConfigError(f"{where}: cannot import module {module_name!r} ({e}); put it on PYTHONPATH or "
                           f"name a file, e.g. path/to/my_model.py:MyModel") from None
+
+
+_CONFIG_DIR = contextvars.ContextVar("parallax_config_dir", default=None)
+
+
+@contextlib.contextmanager
+def config_file_dir(directory: str | None):
+    """Inside the block, a relative `file.py:Class` model name resolves against `directory` first (the
+    directory of the config file being loaded: `parallax.defaults.load_config_file`)."""
+    token = _CONFIG_DIR.set(directory)
+    try:
+        yield
+    finally:
+        _CONFIG_DIR.reset(token)
+
+
+def resolve_model_name(name: str) -> str:
+    """`name` with a relative `path/file.py` made absolute, so that a saved config names the same file from
+    any directory: the file relative to the config file being loaded (`config_file_dir`), else relative to
+    the current directory; raises ConfigError if it is in neither. Other names are returned as they are."""
+    module, sep, attr = name.rpartition(":")
+    if not sep or not module.endswith(".py") or os.path.isabs(module):
+        return name
+    base = _CONFIG_DIR.get()
+    tried = ([os.path.abspath(os.path.join(base, module))] if base else []) + [os.path.abspath(module)]
+    for path in tried:
+        if os.path.isfile(path):
+            return f"{path}:{attr}"
+    if base:
+        raise ConfigError(f"config.model.name={name!r}: no file {module} next to the config file ({tried[0]}) or in "
+                          f"the current directory ({tried[1]}); name the file relative to the config file, or by "
+                          "an absolute path")
+    raise ConfigError(f"config.model.name={name!r}: no such file {tried[0]}; name the file relative to the current "
+                      "directory, or by an absolute path")
 
 
 def model_class(name: str) -> type:

@@ -87,7 +87,7 @@ def make_plan(config, num_devices: int, platform: str | None = None) -> Plan:
 
 
 def _make_plan(config, num_devices, platform):
-    sizes = mesh_lib.resolve_axis_sizes(config.mesh, num_devices)
+    sizes = mesh_lib.resolve_axis_sizes(config.mesh, num_devices, platform)
     cls = model_lib.model_class(config.model.name)
     _check_model_keys(config, cls)
     _check_generic(config, sizes)

@@ -2,9 +2,10 @@
 
 `train_and_evaluate(config, workdir)` is the library entry point (the launcher calls it): it makes the
 plan and the `Trainer` (`parallax.trainer`), resumes from the workdir's latest checkpoint, trains with a
-progress line, `metrics.jsonl` and TensorBoard event files (`tb/`), evaluates every `train.eval_every` steps by the training loss path,
-saves every `train.checkpoint_every` steps, and on SIGTERM saves and returns. `train.profile_steps=(a, b)`
-writes a `jax.profiler` trace of steps a..b to `profile/` (TensorBoard's profile plugin, Perfetto).
+progress line, `metrics.jsonl` and TensorBoard event files (`tb/`), evaluates every `train.eval_every` steps
+by the training loss path, saves every `train.checkpoint_every` steps, and on SIGTERM or SIGINT (Ctrl-C)
+saves and returns. `train.profile_steps=(a, b)` writes a `jax.profiler` trace of steps a..b to `profile/`
+(TensorBoard's profile plugin, Perfetto).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class TrainResult:
     state: dict
     trainer: Trainer
     preempted: bool = False
+    stop_signal: int = 0  # the signal that stopped it (SIGTERM, SIGINT); 0 for none or a preemption notice
 
 
 def _shard_dirs(config) -> list[str]:
@@ -191,22 +193,42 @@ def check_resume(config, saved_json: str) -> None:
                               f"optim.decay_steps={horizon} to extend the run with the same LR schedule")
 
 
-def _stop_requested(flag: bool) -> bool:
-    """True on every host if any host received SIGTERM (hosts must stop at the same step)."""
+def _stop_signal(signum: int) -> int:
+    """The stop signal any host received (the largest number, so SIGTERM wins over SIGINT), on every host:
+    hosts must stop at the same step. 0: none."""
     if jax.process_count() == 1:
-        return flag
+        return signum
     from jax.experimental import multihost_utils
-    return bool(multihost_utils.process_allgather(np.int32(flag)).max())
+    return int(multihost_utils.process_allgather(np.int32(signum)).max())
 
 
+class _StopSignals:
+    """From creation to `restore()`, SIGTERM and SIGINT are recorded (`self.signum`) instead of stopping the
+    process, so the loop saves at the end of the step and returns. A second SIGINT raises KeyboardInterrupt
+    at once (the default handler again): Ctrl-C twice aborts without waiting for the save."""
+
+    def __init__(self):
+        self.signum, self.previous = 0, {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self.previous[signum] = signal.signal(signum, self.record)
+
+    def record(self, signum, frame):
+        del frame
+        self.signum = max(self.signum, signum)
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def restore(self):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainResult:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; the library entry point.
 
     Only process 0 writes `config.json`, `metrics.jsonl` and the TensorBoard events (`tb/`) and logs. On
-    SIGTERM every host saves the same step and returns with `preempted=True`; rerunning the same command
-    continues exactly.
+    SIGTERM or SIGINT every host saves the same step and returns with `preempted=True` (and `stop_signal`);
+    rerunning the same command continues exactly. A second SIGINT raises KeyboardInterrupt without saving.
     """
     config, tokenizer = resolve_data(config)
     trainer = Trainer(config, devices)
@@ -217,26 +239,25 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
     workdir = epath.Path(workdir)
     checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", t.checkpoint_every, t.keep_checkpoints,
                                          async_save=t.async_checkpoint)
-    stop = {"signal": None}
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     tensorboard, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
-    close = True
+    close, stop = True, _StopSignals()
     try:
         state = _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer)
         if lead:
             tensorboard = TensorBoardWriter(workdir / "tb", int(state["step"]))
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
-                     lambda: stop["signal"] is not None, tensorboard, profiler)
-    except BaseException:
+                     lambda: stop.signum, tensorboard, profiler)
+    except BaseException as e:
         # With several processes, an error is most often a lost peer: closing would wait on a save whose
-        # commit needs every process. The last complete checkpoint is on disk either way.
-        close = jax.process_count() == 1
+        # commit needs every process; a second Ctrl-C asks not to wait. The last complete checkpoint is on
+        # disk either way.
+        close = jax.process_count() == 1 and not isinstance(e, KeyboardInterrupt)
         raise
     finally:
         profiler.stop()
         if tensorboard is not None:
             tensorboard.close()  # flushes what was logged, also when the run failed
-        signal.signal(signal.SIGTERM, previous)
+        stop.restore()
         if close:
             checkpointer.close()
 
@@ -338,7 +359,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
           profiler=None) -> TrainResult:
     t = trainer.config.train
     speed = throughput(trainer.plan, trainer.mesh)
-    history, eval_loss, preempted = [], None, False
+    history, eval_loss, preempted, signalled = [], None, False, 0
     step = first_step = int(state["step"])
     rows = trainer.host_rows()
     run_start = last = time.perf_counter()
@@ -378,14 +399,15 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
                 tensorboard.write(record)
             eta = (time.perf_counter() - run_start) / (step - first_step) * (t.steps - step)
             log(_progress_line(record, t.steps, eta))
-        signalled = _stop_requested(stop_requested())
-        preempted = signalled or checkpointer.reached_preemption(step)  # Orbax's policy saves this step then
+        signalled = _stop_signal(stop_requested())
+        preempted = bool(signalled) or checkpointer.reached_preemption(step)  # Orbax's policy saves this step
         checkpointer.maybe_save(step, state, force=step == t.steps or preempted)
         if preempted:
-            log(f"received {'SIGTERM' if signalled else 'a preemption notice'}: saved step {step}; "
-                "rerun the same command to continue")
+            log(f"received {signal.Signals(signalled).name if signalled else 'a preemption notice'}: saved step "
+                f"{step}; rerun the same command to continue")
             break
-    return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer, preempted=preempted)
+    return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer, preempted=preempted,
+                       stop_signal=signalled)
 
 
 def _check_finite(step, metrics, nan_policy, log):

@@ -95,6 +95,49 @@ def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
     assert _losses(workdir) == _losses(str(tmp_path / "straight"))
 
 
+def test_ctrl_c_saves_exits_130_with_one_line_and_rerun_resumes(tmp_path):
+    workdir = str(tmp_path / "run")
+    flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=1", "--config.train.log_every=1",
+             "--config.train.checkpoint_every=0", "--config.train.eval_every=0", "--config.optim.decay_steps=1000"]
+    proc = subprocess.Popen(launcher_command("train", *flags, "--config.train.steps=100000"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and (not os.path.exists(metrics) or len(_losses(workdir)) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err + out and "KeyboardInterrupt" not in err + out, err
+    said = [line for line in (out + err).splitlines() if "SIGINT" in line]
+    stopped = _losses(workdir)[-1][0]
+    assert said == [f"received SIGINT: saved step {stopped}; rerun the same command to continue"], out + err
+    rerun = run_launcher("train", *flags, f"--config.train.steps={stopped + 2}", timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"at step {stopped}" in rerun.stdout and [s for s, _ in _losses(workdir)][-3:] == [stopped, stopped + 1,
+                                                                                            stopped + 2]
+
+
+def test_a_second_ctrl_c_raises_at_once():
+    """The first SIGINT (or SIGTERM) is recorded for the loop to save on; a second SIGINT raises
+    KeyboardInterrupt where the process is (the launcher prints one line and exits 130 without saving)."""
+    from parallax.train import _StopSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = _StopSignals()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handlers run between bytecodes of the main thread
+        assert stop.signum == signal.SIGTERM  # the larger number: any SIGTERM means a scheduler's stop
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_resume_compares_keys_added_since_the_checkpoint_with_their_defaults():
     """A workdir written before optim.grad_delay existed was trained without delay: resuming it with
     grad_delay=1 is a different run, refused with one line, not a restore error deep in Orbax."""

@@ -73,6 +73,78 @@ def test_bad_input_exits_2_with_one_line(args, expected, tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+def test_a_mesh_on_one_visible_device_names_cpu_devices(tmp_path):
+    one_device = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                          if not f.startswith("--xla_force_host_platform_device_count"))
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.mesh.fsdp=2",
+                        env={**os.environ, "XLA_FLAGS": one_device}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "config error: config.mesh.data=-1: the other axes multiply to 2, which does not divide the 1 device; make "
+        "their product a divisor of 1; only 1 device visible: on CPU, simulate 2 with --cpu_devices=2"], proc.stderr
+    assert not os.path.exists(tmp_path / "run")
+    from parallax.mesh import resolve_axis_sizes
+    with pytest.raises(ConfigError, match=r"^config.mesh \(fsdp=4\) has 4 devices but 2 are available; make the "
+                                          r"product 2 \(or set one axis to -1\); only 2 devices visible: on CPU, "
+                                          r"simulate 4 with --cpu_devices=4$"):
+        resolve_axis_sizes({"data": 1, "fsdp": 4}, 2, "cpu")
+    with pytest.raises(ConfigError, match=r"available; make the product 2 \(or set one axis to -1\)$"):
+        resolve_axis_sizes({"data": 1, "fsdp": 4}, 2, "tpu")  # real chips: --cpu_devices is no fix
+
+
+def test_print_config_fed_back_as_the_config_trains_the_same_run(tmp_path):
+    from parallax.defaults import config_from_args
+    from parallax.train import train_and_evaluate
+
+    overrides = ["--config.train.steps=3", "--config.train.eval_every=0", "--config.train.checkpoint_every=0",
+                 "--config.optim.lr=0.003", "--config.mesh.fsdp=2"]
+    printed = {}
+    for form in ("python", "json"):
+        proc = run_launcher("train", "--config=configs/tiny.py", *overrides, f"--print_config={form}",
+                            f"--workdir={tmp_path / 'untouched'}", timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        printed[form] = tmp_path / f"resolved.{'py' if form == 'python' else 'json'}"
+        printed[form].write_text(proc.stdout)
+    assert not os.path.exists(tmp_path / "untouched")
+    original = config_from_args(os.path.join(ROOT, "configs/tiny.py"), [tuple(o[9:].split("=")) for o in overrides])
+    resolved = load_config_file(str(printed["python"]))
+    assert resolved.to_json_best_effort() == original.to_json_best_effort()
+    assert load_config_file(str(printed["json"])).to_json_best_effort() == original.to_json_best_effort()
+    runs = [train_and_evaluate(c, str(tmp_path / name), log=lambda *_: None).history
+            for c, name in ((original, "original"), (resolved, "resolved"))]
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]] and len(runs[0]) == 3
+
+
+def test_dry_run_checks_and_writes_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8",
+                        "--config.mesh.fsdp=2", "--dry_run", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh data=4 fsdp=2 (8 cpu devices)" in proc.stdout and "peak" in proc.stdout, proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run: every check passed; nothing was trained")
+    assert not os.path.exists(workdir)
+    proc = run_launcher("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8",
+                        "--config.mesh.data=3", "--dry_run", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "config error: config.mesh (data=3) has 3 devices but 8 are available; make the product 8 (or set one "
+        "axis to -1)"], proc.stderr
+    assert not os.path.exists(workdir)
+
+
+def test_config_keys_page_is_current():
+    """docs/config-keys.md is what parallax/configdoc.py prints now: a key added, removed or re-commented
+    without regenerating the page fails here (`python -m parallax.configdoc > docs/config-keys.md`)."""
+    from parallax.configdoc import config_keys_page
+
+    page = config_keys_page()
+    assert open(os.path.join(ROOT, "docs", "config-keys.md")).read() == page, (
+        "docs/config-keys.md is out of date: python -m parallax.configdoc > docs/config-keys.md")
+    for section, node in load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py")).items():
+        if section != "sharding":
+            assert all(f"`{section}.{key}`" in page for key in node if not hasattr(node[key], "keys")), section
+
+
 BAD_FILES = [
     ("def get_config(:\n    pass\n", r"--config=\S+bad.py:1: SyntaxError: "),
     ("from parallax.defaults import default_config\n\ndef get_config():\n    return 1 / 0\n",

@@ -241,7 +241,9 @@ def test_cli_import_then_train_resumes_from_the_imported_weights(checkpoints, tm
              "--config.mesh.fsdp=4", "--config.mesh.tensor=2", "--config.train.steps=2", "--config.train.seq_len=32",
              "--config.train.log_every=1", "--config.train.eval_every=0")
     assert r.returncode == 0, r.stderr
-    r = _cli("train", f"--config={work}/config.json", f"--workdir={work}", "--cpu_devices=8")
+    printed = r.stdout.split("train with: python launch/train.py ")[1].split()  # the command it prints, as is
+    assert printed == [f"--config={work}/config.json", f"--workdir={work}", "--cpu_devices=8"], r.stdout
+    r = _cli("train", *printed)
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     losses = [r["loss"] for r in read_metrics(work)]

@@ -4,6 +4,7 @@ user's model named by import path match their 1-device runs on every layout; con
 import ast
 import glob
 import os
+import shutil
 import sys
 
 import jax
@@ -117,6 +118,44 @@ def test_model_named_by_file_path_plans_like_the_registered_one():
     assert by_path.model_class.__name__ == "Llama" and by_path.model_class is not by_name.model_class
     assert jax.tree.map(lambda a: a.shape, by_path.abstract_params) == \
         jax.tree.map(lambda a: a.shape, by_name.abstract_params)
+
+
+_MY_CONFIG = """from parallax.defaults import default_config
+
+
+def get_config():
+    config = default_config(model="{name}")
+    config.model.update(num_layers=2, vocab_size=64, width=16)
+    return config
+"""
+
+
+def test_relative_model_file_is_found_next_to_the_config_file_and_stored_absolute(tmp_path, monkeypatch):
+    """`model.name=my_model.py:Class` in project/my_config.py names project/my_model.py from any directory,
+    and the config (so the workdir's config.json) holds it absolute: sampling from elsewhere finds it."""
+    from parallax.defaults import load_saved_config
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir(), elsewhere.mkdir()
+    shutil.copy(os.path.join(ROOT, "tests", "user_model.py"), project / "my_model.py")
+    (project / "my_config.py").write_text(_MY_CONFIG.format(name="my_model.py:ResidualMLP"))
+    monkeypatch.chdir(elsewhere)
+    config = load_config_file("../project/my_config.py")
+    assert config.model.name == f"{project}/my_model.py:ResidualMLP"
+    monkeypatch.chdir(tmp_path)
+    assert load_saved_config(config.to_json_best_effort()).model.name == config.model.name
+    assert make_plan(config, 1).model_class.__name__ == "ResidualMLP"
+
+
+def test_missing_relative_model_file_exits_2_naming_both_places(tmp_path):
+    (tmp_path / "my_config.py").write_text(_MY_CONFIG.format(name="my_model.py:ResidualMLP"))
+    proc = run_launcher("train", f"--config={tmp_path}/my_config.py", f"--workdir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "config error: config.model.name='my_model.py:ResidualMLP': "
+        f"no file my_model.py next to the config file ({tmp_path}/my_model.py) or in the current directory "
+        f"({ROOT}/my_model.py); name the file relative to the config file, or by an absolute path"], proc.stderr
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_model_without_tensor_parallelism_rejects_mesh_tensor():
