@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,9 +42,18 @@ def generate(graphdef, params, prompt: np.ndarray, num_tokens: int, seq_len: int
     return np.asarray(out[len(prompt):], np.int32)
 
 
-def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperature: float = 0.8) -> str:
-    """Restores the latest checkpoint of `workdir` onto one device and continues `prompt`, encoded and the
-    sample decoded by the run's tokenizer (`WORKDIR/tokenizer`; token ids for an id-only corpus)."""
+class Restored(NamedTuple):
+    """A run's checkpoint restored onto one device: the run's config (mesh sizes 1), its trainer (graphdef,
+    plan, `plan.parallelism`), the parameters and the step they are from."""
+    config: object
+    trainer: object
+    params: dict
+    step: int
+
+
+def restore_workdir(workdir: str, devices=None) -> Restored:
+    """Restores the latest checkpoint of `workdir` (config.json + checkpoints/) onto one device (the first of
+    `devices`, default `jax.devices()`), whatever mesh trained it."""
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
@@ -56,13 +67,20 @@ def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperat
     config = load_saved_config(path.read_text())
     for axis in config.mesh:
         config.mesh[axis] = 1
-    trainer = Trainer(config, devices=jax.devices()[:1])
+    trainer = Trainer(config, devices=list(jax.devices() if devices is None else devices)[:1])
     checkpointer = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1, cleanup=False)  # a reader
     step = checkpointer.latest_step()
     if step is None:
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train first (make train)")
     params = checkpointer.restore(trainer.abstract_state(), step)["params"]
     checkpointer.close()
+    return Restored(config, trainer, params, int(step))
+
+
+def sample_from_workdir(workdir: str, prompt: str, num_tokens: int = 0, temperature: float = 0.8) -> str:
+    """Restores the latest checkpoint of `workdir` onto one device and continues `prompt`, encoded and the
+    sample decoded by the run's tokenizer (`WORKDIR/tokenizer`; token ids for an id-only corpus)."""
+    config, trainer, params, step = restore_workdir(workdir)
     tok = workdir_tokenizer(workdir, config)
     if tok is not None:
         data = np.asarray(tok.prompt(prompt), np.int32)
