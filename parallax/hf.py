@@ -375,6 +375,27 @@ def import_config(ckpt: Checkpoint, base_path: str | None, overrides) -> object:
     return config
 
 
+def load_checkpoint(ckpt: Checkpoint, config, devices=None, log=print, on_read=None) -> tuple:
+    """`ckpt`'s parameters on the mesh `config` (from `import_config`) asks for, with its tokenizer.
+    Returns (trainer, params, tokenizer or None); `trainer.config` has the tokenizer's eos and vocab filled in."""
+    from parallax import tokenizer as tok_lib
+    from parallax.train import resolve_data
+    from parallax.trainer import Trainer
+
+    config, _ = resolve_data(config)  # eos (and a corpus's checks) as a training run will see them
+    tok = None
+    if tok_lib.has_files(ckpt.dir):
+        try:
+            tok = tok_lib.load(ckpt.dir)
+        except ConfigError as e:  # e.g. a tokenizer.model without the sentencepiece package: the weights still load
+            log(f"note: importing without the tokenizer ({e})")
+    if tok is not None and tok.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"--hf_dir={ckpt.dir}: its tokenizer emits ids up to {tok.vocab_size - 1}, past the model's "
+                          f"vocab_size={config.model.vocab_size}; is the tokenizer from another model?")
+    trainer = Trainer(config, devices)
+    return trainer, load_params(ckpt, trainer.plan.model_config, trainer.param_shardings, on_read), tok
+
+
 def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, overrides=(), devices=None,
                       log=print, on_read=None) -> dict:
     """Imports `hf_dir` into a new parallax run in `workdir`: config.json and a step-0 checkpoint (params
@@ -385,29 +406,14 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
-    from parallax.trainer import Trainer
 
     ckpt = Checkpoint(hf_dir)
     config = import_config(ckpt, base_path, overrides)
     workdir = epath.Path(workdir)
     if (workdir / "checkpoints").exists() or (workdir / "config.json").exists():
         raise ConfigError(f"--workdir={workdir}: already holds a run; import into a new --workdir")
-    from parallax import tokenizer as tok_lib
-
-    from parallax.train import resolve_data
-
-    config, _ = resolve_data(config)  # eos (and a corpus's checks) as a training run will see them
-    tok = None
-    if tok_lib.has_files(hf_dir):
-        try:
-            tok = tok_lib.load(hf_dir)
-        except ConfigError as e:  # e.g. a tokenizer.model without the sentencepiece package: the weights still load
-            log(f"note: importing without the tokenizer ({e})")
-    if tok is not None and tok.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"--hf_dir={hf_dir}: its tokenizer emits ids up to {tok.vocab_size - 1}, past the model's "
-                          f"vocab_size={config.model.vocab_size}; is the tokenizer from another model?")
-    trainer = Trainer(config, devices)
-    params = load_params(ckpt, trainer.plan.model_config, trainer.param_shardings, on_read)
+    trainer, params, tok = load_checkpoint(ckpt, config, devices, log, on_read)
+    config = trainer.config
     opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.state_shardings["opt_state"])(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), trainer.state_shardings["step"])
     state = {"step": step, "params": params, "opt_state": opt_state}

@@ -1,0 +1,219 @@
+"""The lm-eval adapter (parallax/harness.py) on a tiny byte-level run trained for 40 steps: its scores equal
+log-softmax sums of the model's own logits, and lm-eval's command line (launch/harness.py) runs local
+multiple-choice, generation and perplexity tasks (YAML over jsonl in tmp_path: no download)."""
+
+import json
+import os
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import run_launcher, tiny_config
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from parallax import harness  # noqa: E402
+from parallax.errors import ConfigError  # noqa: E402
+from parallax.harness import ParallaxLM  # noqa: E402
+from parallax.model import forward  # noqa: E402
+from parallax.generate import generate  # noqa: E402
+
+EOS = 256  # the byte run's eos: ends every document, and conditions a text with no context
+WORDS = "the cat sat on a mat and dog ate hat".split()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from parallax.train import train_and_evaluate
+
+    root = tmp_path_factory.mktemp("harness")
+    rng = random.Random(0)
+    (root / "text").mkdir()
+    for i in range(8):
+        lines = (" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(40))
+        (root / "text" / f"{i}.txt").write_text("\n".join(lines))
+    config = tiny_config()
+    config.model.vocab_size = 0  # from the tokenizer: 257 byte ids padded to 384
+    config.data.update(source="text", path=str(root / "text"), eos_id=EOS)
+    config.train.update(steps=40, checkpoint_every=40, eval_every=0, log_every=10, global_batch_size=4)
+    config.optim.update(lr=1e-2, warmup_steps=0)  # enough to learn the byte statistics: scores far from uniform
+    train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1], log=lambda *_: None)
+    return str(root / "run")
+
+
+@pytest.fixture(scope="module")
+def lm(workdir):
+    return ParallaxLM(workdir=workdir, batch_size=2)
+
+
+def _direct(lm, context, continuation, shift=0):
+    """Straight from one unpadded forward pass over context + continuation: the sum over the continuation's
+    tokens of the log-softmax at the position before each (`shift` moves that position), and whether each
+    is the argmax there."""
+    from flax import nnx
+
+    tokens = list(context) + list(continuation)
+    model, n = nnx.merge(lm.graphdef, lm.params), len(tokens)
+    batch = {"inputs": np.asarray([tokens], np.int32), "segment_ids": np.ones((1, n), np.int32),
+             "positions": np.arange(n, dtype=np.int32)[None]}
+    logits = np.asarray(model.logits(forward(model, batch, par=lm.par), lm.par), np.float64)[0]  # (n, V)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    rows = [t + shift for t in range(len(context) - 1, n - 1)]  # position t predicts token t + 1
+    return (sum(logp[r, tokens[r - shift + 1]] for r in rows),
+            all(int(np.argmax(logp[r])) == tokens[r - shift + 1] for r in rows))
+
+
+def _requests(kind, args):
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=0) for a in args]
+
+
+def test_loglikelihood_is_the_log_softmax_sum_of_the_continuation_given_the_context(lm):
+    """Four requests of different lengths in batches of 2 (so padded rows): each equals the sum, over the
+    continuation's tokens, of the model's log-softmax at the position before it; an empty context is
+    conditioned on eos. The same sum one position earlier or later differs: an off-by-one would fail."""
+    greedy_next = lm.tok.decode(generate(lm.graphdef, lm.params, [list(b"a cat")], 2, 32, par=lm.par)[0].tolist())
+    pairs = [("the cat sat on the", " mat"), ("a dog", " ate the hat and"), ("", "the cat"), ("a cat", greedy_next)]
+    got = lm.loglikelihood(_requests("loglikelihood", pairs))
+    assert got[-1][1], f"the greedy continuation {greedy_next!r} is not is_greedy"
+    for (context, continuation), (logp, greedy) in zip(pairs, got):
+        ids, cont = list(context.encode()) if context else [EOS], list(continuation.encode())
+        want, want_greedy = _direct(lm, ids, cont)
+        assert logp == pytest.approx(want, rel=1e-5), (context, continuation)
+        assert greedy == want_greedy
+        for shift in (-1, 1) if len(ids) > 1 else (1,):
+            assert abs(_direct(lm, ids, cont, shift)[0] - want) > 0.05 * abs(want), shift
+    assert not all(greedy for _, greedy in got)
+
+
+def test_loglikelihood_rolling_scores_every_token_once_with_the_most_context_that_fits(lm):
+    """A 70-byte text with a 32-token window: lm-eval's windows are [eos]+t[:31] -> t[:32], t[31:63] ->
+    t[32:64] and t[37:69] -> t[64:70] (the last 6 positions only); the total is their sum."""
+    text = ("the cat sat on a mat and the dog ate the hat " * 2)[:70]
+    t = list(text.encode())
+    assert lm.max_length == 32 and len(t) == 70
+    want = (_direct(lm, [EOS], t[:32])[0] + _direct(lm, t[31:32], t[32:64])[0]
+            + _direct(lm, t[37:64], t[64:70])[0])
+    short = "a dog"
+    (got, got_short) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,), (short,)]))
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got_short == pytest.approx(_direct(lm, [EOS], list(short.encode()))[0], rel=1e-5)
+
+
+def test_generate_until_is_the_greedy_sample_cut_at_eos_and_the_stop_strings(lm, monkeypatch):
+    context = "the cat sat"
+    ids = generate(lm.graphdef, lm.params, [list(context.encode())], 5, 32, par=lm.par)[0].tolist()
+    want = lm.tok.decode(ids[:ids.index(EOS)] if EOS in ids else ids)
+    (got,) = lm.generate_until(_requests("generate_until", [(context, {"until": [], "max_gen_toks": 5})]))
+    assert got == want
+    canned = list(b"on the\nmat") + [EOS] + list(b"more")
+    monkeypatch.setattr(lm, "_generate", lambda prompts, n, sampling: [canned[:n] for _ in prompts])
+    args = [("x", {"until": ["\n"], "max_gen_toks": 20}), ("x", {"until": "at", "max_gen_toks": 20}),
+            ("x", {"until": ["zz"], "max_gen_toks": 20}), ("x", {"until": [], "max_gen_toks": 3})]
+    assert lm.generate_until(_requests("generate_until", args)) == ["on the", "on the\nm", "on the\nmat", "on "]
+    with pytest.raises(ConfigError, match=r"gen_kwargs num_beams=2: not supported by the parallax model"):
+        lm.generate_until(_requests("generate_until", [("x", {"num_beams": 2})]))
+
+
+def test_bad_model_args_are_one_line_config_errors(workdir, tmp_path):
+    cases = [(dict(), r"pass one of workdir=RUN_DIR .* or hf_dir=HF_DIR"),
+             (dict(workdir=workdir, hf_dir="x"), "pass one of workdir"),
+             (dict(workdir=workdir, dtype="bf16"), r"--model_args dtype=bf16: not an argument of the parallax model"),
+             (dict(workdir=workdir, batch_size="auto"), r"--batch_size=auto: .* fixed batch size"),
+             (dict(workdir=workdir, batch_size=0), r"batch_size=0: not a positive integer"),
+             (dict(workdir=workdir, max_length=64), r"max_length=64: the run trained on windows of .*=32 tokens"),
+             (dict(workdir=workdir, prefix_token=384), r"prefix_token=384: not a token id of this model \(0..383\)"),
+             (dict(workdir=str(tmp_path)), r"--workdir=.*: no config.json there")]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message) as e:
+            ParallaxLM(**kwargs)
+        assert "\n" not in str(e.value)
+
+
+def test_an_hf_directory_scores_like_the_run_it_was_exported_from(workdir, lm, tmp_path):
+    """hf_dir=: the run exported to the HF layout (launch/hf_export.py) loads the same weights, so raw token
+    ids score the same; without a tokenizer file there, it is a one-line error."""
+    from parallax import hf
+    from parallax import tokenizer as tok_lib
+
+    out = str(tmp_path / "hf")
+    hf.export_workdir(workdir, out, devices=jax.devices()[:1], log=lambda *_: None)
+    with pytest.raises(ConfigError, match=r"hf_dir=.*: no tokenizer there"):
+        ParallaxLM(hf_dir=out, max_length=32)
+    tok_lib.train_bpe([" ".join(WORDS)] * 4, 260, out, show_progress=False)
+    from_hf = ParallaxLM(hf_dir=out, max_length=32, batch_size=2)
+    assert from_hf.tok.kind == "hf" and from_hf.prefix_token_id == from_hf.tok.eos_id == 0
+    requests = [(None, list(b"the cat"), list(b" sat")), (None, [EOS], list(b"a dog ate"))]
+    got, want = from_hf._loglikelihood_tokens(requests), lm._loglikelihood_tokens(requests)
+    assert [g for _, g in got] == [g for _, g in want]
+    np.testing.assert_allclose([s for s, _ in got], [s for s, _ in want], rtol=1e-6)
+
+
+TASKS = {
+    "local_mc": dict(output_type="multiple_choice", doc_to_text="{{question}}", doc_to_choice="{{choices}}",
+                     doc_to_target="{{answer}}", metric_list=[{"metric": "acc"}]),
+    "local_gen": dict(output_type="generate_until", doc_to_text="{{prompt}}", doc_to_target="{{target}}",
+                      generation_kwargs={"until": ["\n"], "max_gen_toks": 6, "do_sample": False},
+                      metric_list=[{"metric": "exact_match"}]),
+    "local_ppl": dict(output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
+                      metric_list=[{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}]),
+}
+DOCS = {
+    "local_mc": [{"question": "the cat sat on the", "choices": [" mat", " dog", " hat"], "answer": i % 3}
+                 for i in range(4)],
+    "local_gen": [{"prompt": "the dog ate", "target": " the hat"}, {"prompt": "a cat", "target": " sat"}],
+    "local_ppl": [{"text": "the cat sat on a mat and the dog ate the hat " * 2}, {"text": "a dog"}],
+}
+
+
+def _write_tasks(tmp_path):
+    for name, task in TASKS.items():
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(doc) + "\n" for doc in DOCS[name])
+        spec = dict(task=name, dataset_path="json", test_split="test",
+                    dataset_kwargs={"data_files": {"test": str(tmp_path / f"{name}.jsonl")}}, **task)
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    return dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+
+
+def test_lm_eval_command_line_runs_local_tasks_and_prints_the_table(workdir, lm, tmp_path):
+    """Acceptance (issue 29): launch/harness.py, lm-eval's own command line, evaluates the run on a local
+    multiple-choice, generation and perplexity task and prints its results table; the numbers are the
+    ones the adapter gives in this process."""
+    env = _write_tasks(tmp_path)
+    r = run_launcher("harness", "--model", "parallax", "--model_args", f"workdir={workdir}",
+                     "--tasks", ",".join(TASKS), "--include_path", str(tmp_path), "--batch_size", "2",
+                     "--output_path", str(tmp_path / "out"), env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("|local_")}
+    assert set(rows) == set(TASKS), r.stdout
+    assert "acc" in rows["local_mc"] and "exact_match" in rows["local_gen"] and "bits_per_byte" in rows["local_ppl"]
+    (path,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files if f.endswith(".json")]
+    with open(path) as f:
+        results = json.load(f)["results"]
+
+    docs = DOCS["local_mc"]
+    scores = lm.loglikelihood(_requests("loglikelihood", [(docs[0]["question"], c) for c in docs[0]["choices"]]))
+    best = int(np.argmax([logp for logp, _ in scores]))
+    assert results["local_mc"]["acc,none"] == pytest.approx(np.mean([d["answer"] == best for d in docs]))
+    docs = DOCS["local_gen"]
+    outs = lm.generate_until(_requests("generate_until", [(d["prompt"], TASKS["local_gen"]["generation_kwargs"])
+                                                          for d in docs]))
+    assert results["local_gen"]["exact_match,none"] == pytest.approx(np.mean([o == d["target"]
+                                                                              for o, d in zip(outs, docs)]))
+    texts = [d["text"] for d in DOCS["local_ppl"]]
+    total = sum(lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(t,) for t in texts])))
+    bits_per_byte = -total / sum(len(t.encode()) for t in texts) / np.log(2)
+    assert results["local_ppl"]["bits_per_byte,none"] == pytest.approx(bits_per_byte, rel=1e-4)
+
+
+def test_the_command_line_exits_2_with_one_line_on_a_bad_model_arg(workdir, tmp_path):
+    r = run_launcher("harness", "--model", "parallax", "--model_args", f"workdir={workdir},dtype=bf16",
+                     "--tasks", "local_mc", "--include_path", str(tmp_path), env=_write_tasks(tmp_path), timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == ("config error: --model_args dtype=bf16: not an argument of the "
+                                                 f"parallax model; it takes {harness._ARGS}")
