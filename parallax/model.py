@@ -49,6 +49,10 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
     par.tensor, par.seq, par.expert   the axis sizes
 
 `sharding.constrain(x, names)` annotates activations for the compiler (a no-op inside the manual region).
+
+Decoding with a KV cache (`parallax.generate`) uses this same surface: it passes the blocks a `par` whose
+`attention` reads and writes the cache, so a layer must attend through `par.attention` (once) and take its
+positions from `batch["positions"]`.
 """
 
 from __future__ import annotations

@@ -54,8 +54,13 @@ def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int =
     `prompt` (one string, or a list: one batch), encoded and decoded by the run's tokenizer
     (`WORKDIR/tokenizer`; the prompt's bytes as ids for an id-only corpus). Stops a row at the tokenizer's
     eos. Sampling as `parallax.generate.generate`."""
+    from parallax.errors import ConfigError
     from parallax.sharding import activation_sharding
 
+    split = sorted(a for a in ("seq", "pipe") if int((mesh or {}).get(a, 1)) > 1)
+    if split:
+        raise ConfigError(f"mesh {split[0]}={mesh[split[0]]}: decoding runs one token per row, with no sequence or "
+                          f"pipeline split; shard over data, fsdp, tensor or expert")
     trainer, params, step, tok = load_workdir(workdir, mesh)
     config = trainer.config
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
