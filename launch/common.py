@@ -39,7 +39,7 @@ def cli_main(run, needs_config):
         try:
             _main(argv)
         except KeyboardInterrupt:  # a Ctrl-C the run did not turn into a save (a second one, or too early)
-            _interrupted_exit(flags.FLAGS.workdir)
+            _interrupted_exit(flags.FLAGS.workdir if getattr(run, "resumes", False) else None)
 
     def _main(_):
         from absl import logging
@@ -111,9 +111,14 @@ def _latest_checkpoint(workdir):
 
 
 def _interrupted_exit(workdir):
-    """One line and exit 130 (128 + SIGINT) at once: `os._exit`, so no thread (an async save) is waited for."""
+    """One line and exit 130 (128 + SIGINT) at once: `os._exit`, so no thread (an async save) is waited for.
+    `workdir`: a training run's (the line says where a rerun resumes); None for a launcher that does not train."""
     import os
 
+    if workdir is None:
+        sys.stdout.flush()
+        print("interrupted (SIGINT)", file=sys.stderr, flush=True)
+        os._exit(130)
     step = _latest_checkpoint(workdir)
     resume = "" if step is None else f"; rerun the same command to resume from the last checkpoint (step {step})"
     sys.stdout.flush()

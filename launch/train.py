@@ -65,7 +65,7 @@ def run(config, flags):
         sys.exit(128 + (result.stop_signal or signal.SIGTERM))  # scheduler sees an interrupted job, a rerun resumes
 
 
-run.define_flags, run.inspect_only = define_flags, inspect_only
+run.define_flags, run.inspect_only, run.resumes = define_flags, inspect_only, True
 
 if __name__ == "__main__":
     sys.argv = ["--print_config=python" if a == "--print_config" else a for a in sys.argv]

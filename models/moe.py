@@ -38,6 +38,11 @@ mesh.pipe). `config.model.num_layers` counts the MoE layers only.
 
 Expert parallelism, capacity and dropless dispatch: `parallax.parallel.expert`. Restriction: no
 sequence parallelism (a routing group is a whole row).
+
+Generating (`par.decoding`), every token is routed, dropless, whatever `moe.dispatch`: with capacity, a
+row's drops depend on the tokens sharing its group (a prompt's padding, the window a sampler recomputes),
+so a prompt's continuation would depend on the batch and the decoding algorithm. Capacity is a training
+device; an inference without drops is the limit it approximates (MaxText also decodes dropless).
 """
 
 from __future__ import annotations
@@ -262,7 +267,7 @@ class MoEBlocks(llama.Blocks):
         moe, dt, w = self.moe, self.cfg.compute_dtype, par.weight
         wg, wu, wd = w(self.we_gate, dt), w(self.we_up, dt), w(self.we_down, dt)  # (E/ep, D, F/t), (E/ep, F/t, D)
         h = h.astype(dt)
-        if moe.dispatch == "ragged":
+        if moe.dispatch == "ragged" or (par.decoding and par.expert == 1):  # decoding: every token routed
             impl = ep_lib.grouped_impl(moe.grouped_impl, par.platform)
             log_once(f"grouped matmuls: {impl} (moe.grouped_impl={moe.grouped_impl}), "
                      f"{moe.ff_chunks} chunk(s) of the expert width")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 import re
 import traceback
@@ -210,12 +211,27 @@ def config_from_args(path: str, overrides: list[tuple[str, str]]):
     return config
 
 
+def _literal(value) -> str:
+    """Python source for a config value: `repr`, except non-finite floats (`float('inf')`), also inside
+    tuples, lists and dicts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_literal, value)) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def config_source(config: ml_collections.ConfigDict, command: str = "") -> str:
     """`config` as the text of a config file whose `get_config()` returns it: `default_config` of its model,
     then every key of every section set to its value, defaults included (`launch/train.py --print_config`).
     `command`: what produced it, for the docstring."""
-    lines = ['"""A resolved config, every key spelled out' + (f": that of\n\n    {command}\n" if command else "."),
-             "Train with it:", "", "    python launch/train.py --config=THIS_FILE --workdir=DIR", '"""', "",
+    lines = ['"""A resolved config, every key spelled out. Train with it:', "",
+             "    python launch/train.py --config=THIS_FILE --workdir=DIR", '"""', "",
+             *([f"# printed by: {command}".replace("\n", "\\n").replace("\r", "\\r"), ""] if command else []),
              "from parallax.defaults import default_config", "", "", "def get_config():",
              f"    config = default_config(model={config.model.name!r})"]
 
@@ -232,7 +248,7 @@ def config_source(config: ml_collections.ConfigDict, command: str = "") -> str:
         leaves = {k: v for k, v in leaves.items() if k not in retyped}
         if leaves:
             named = all(k.isidentifier() for k in leaves)
-            items = [f"{k}={v!r}" if named else f"{k!r}: {v!r}" for k, v in leaves.items()]
+            items = [f"{k}={_literal(v)}" if named else f"{k!r}: {_literal(v)}" for k, v in leaves.items()]
             lines.append(f"    config.{path}.update({'' if named else '{'}")
             for item in items:  # as many as fit in 120 columns on each line
                 if lines[-1].endswith(("(", "{")) or len(lines[-1]) + len(item) + 4 > 120:  # ", " now, "," or ")" after
@@ -246,7 +262,7 @@ def config_source(config: ml_collections.ConfigDict, command: str = "") -> str:
             for key, value in retyped.items():
                 if key in default:
                     lines.append(f"        del config.{path}[{key!r}]")
-                lines.append(f"        config.{path}[{key!r}] = {value!r}")
+                lines.append(f"        config.{path}[{key!r}] = {_literal(value)}")
         for key, value in node.items():
             if isinstance(value, ml_collections.ConfigDict):
                 section(f"{path}.{key}", value, default[key] if key in default else ml_collections.ConfigDict())

@@ -14,9 +14,12 @@ model with dense first layers) falls back to recomputing the window, with one li
 **Prompts of different lengths** are right-padded into one `[B, P]` prefill; row b's first new token
 is sampled from its position `len_b - 1` and written at slot `len_b`, so the padding slots a row wrote in
 the prefill are overwritten before any query can see them. Rows stop at `eos_id` on their own; the loop
-ends when every row has. The sequence (prompt + new tokens) must fit the cache (`seq_len` slots: the
-model's trained window, which also bounds learned position tables); past it, `cache=False` recomputes
-a sliding window of `seq_len` tokens per new token, as the no-cache sampler always did.
+ends when every row has. The cache has `seq_len` slots (the model's trained window, which also bounds
+learned position tables). A longer sequence (prompt + new tokens) decodes in rounds: when a round fills
+the window, each row's last `seq_len // 2` tokens are the next round's prompt, at positions from 0 again
+(llama.cpp's context shift). `cache=False` instead recomputes each row's last `seq_len` tokens for every
+new token (the sampler before the cache): the same tokens while the sequence fits the window, and the
+reference the tests compare against.
 
 **On a mesh** the parameters keep the training shardings (`tensor`, `fsdp`, ...) and the compiler
 partitions the dense code (no manual region: decode steps are one token per row); the cache is sharded
@@ -51,9 +54,10 @@ _KV_NAMES = ("batch", None, "act_kv_heads", None)  # cache [B, S, K, Dh]
 
 def decode_parallelism(par: Parallelism) -> Parallelism:
     """The plan's `par` for decoding: no manual region (the compiler shards the dense code over the mesh),
-    the same kernels settings and platform."""
+    the same kernels settings and platform, and `decoding=True` (a model may route differently, e.g. the MoE
+    model routes every token, whatever tokens share the batch)."""
     return dataclasses.replace(DENSE, attention_block=par.attention_block, loss_chunk=par.loss_chunk,
-                               platform=par.platform, attention_impl=par.attention_impl)
+                               platform=par.platform, attention_impl=par.attention_impl, decoding=True)
 
 
 class _EmbedAttends(Exception):
@@ -253,6 +257,33 @@ def _generate_window(graphdef, params, prompts, lengths, key, *, num_tokens, seq
     return out, num_tokens
 
 
+def _generate_shifted(graphdef, params, prompts, lengths, key, *, num_tokens, seq_len, **kwargs):
+    """Past the window, with the cache: rounds of `_generate_cached`, each round's prompt the last `seq_len // 2`
+    tokens of each row so far (positions from 0 again, as in training), so each round has at least half the
+    window to generate into. Rounds after the first have one shape (one compile)."""
+    half = seq_len // 2
+    seqs = [list(p[:n]) for p, n in zip(np.asarray(prompts), np.asarray(lengths))]
+    out = np.zeros((len(seqs), num_tokens), np.int32)
+    made, round_ = 0, 0
+    log_once(f"generation: KV cache, past the {seq_len}-token window: rounds that keep each row's last {half} tokens "
+             f"as the next prompt (parallax.generate)")
+    while made < num_tokens:
+        tail = [s[-half:] if round_ or len(s) >= seq_len else s for s in seqs]
+        batch, lens = _pad_prompts(tail, np.iinfo(np.int32).max, len(tail))
+        n = seq_len - batch.shape[1]
+        got, steps = _generate_cached(graphdef, params, jnp.asarray(batch), jnp.asarray(lens),
+                                      jax.random.fold_in(key, 1 + round_), num_tokens=n, seq_len=seq_len, **kwargs)
+        got, steps = np.asarray(got)[:, :min(int(steps), num_tokens - made)], int(steps)
+        out[:, made:made + got.shape[1]] = got
+        for s, row in zip(seqs, got):
+            s.extend(row.tolist())
+        made += got.shape[1]
+        round_ += 1
+        if steps < n:  # every row sampled eos
+            break
+    return out, made
+
+
 def generate(graphdef, params, prompts, num_tokens: int, seq_len: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, cache: bool | None = None,
              par: Parallelism = DENSE, vocab_size: int | None = None) -> list[np.ndarray]:
@@ -261,8 +292,10 @@ def generate(graphdef, params, prompts, num_tokens: int, seq_len: int, *, temper
 
     `graphdef` / `params`: any `parallax.model.Model`'s (a pure dict; on a mesh, arrays with the training
     shardings, called inside `sharding.activation_sharding(mesh, rules)`). `seq_len`: the cache's slots (the
-    model's window). `cache`: True decodes with the KV cache, False recomputes a sliding window per token,
-    None (default) uses the cache when every row's prompt + `num_tokens` fits `seq_len`. `par`: the plan's
+    model's window). `cache`: True / None (default) decode with the KV cache (past `seq_len`, in rounds
+    that keep each row's last `seq_len // 2` tokens as the next prompt), False recomputes each row's last
+    `seq_len` tokens per new token (the sampler before the cache; `cache=None` falls back to it for a model
+    whose embed attends). `par`: the plan's
     parallelism (its attention settings; any manual region is dropped, `decode_parallelism`).
     """
     if num_tokens <= 0:
@@ -278,21 +311,21 @@ def generate(graphdef, params, prompts, num_tokens: int, seq_len: int, *, temper
     padded, lengths = _pad_prompts(prompts, vocab_size or np.iinfo(np.int32).max, rows)
     longest = int(lengths.max()) + num_tokens
     fits = longest <= seq_len
-    if cache and not fits:
-        raise ConfigError(f"generate: the longest prompt + num_tokens={num_tokens} is {longest} tokens, more than "
-                          f"the cache's seq_len={seq_len} slots; generate fewer tokens, or cache=False (a sliding "
-                          f"window of seq_len, recomputed per token)")
     par = decode_parallelism(par)
     context = _Context(ctx)
     kwargs = dict(num_tokens=num_tokens, seq_len=seq_len, temperature=float(temperature), top_k=int(top_k),
                   top_p=float(top_p), eos_id=None if eos_id is None or eos_id < 0 else int(eos_id), par=par,
                   context=context)
     key = jax.random.key(seed)
-    use_cache = fits if cache is None else cache
+    use_cache = cache is not False
     if use_cache:
         try:
-            out, steps = _generate_cached(graphdef, params, jnp.asarray(padded), jnp.asarray(lengths), key, **kwargs)
-            log_once("generation: KV cache (prefill + decode in one jitted loop; parallax.generate)")
+            if fits:
+                out, steps = _generate_cached(graphdef, params, jnp.asarray(padded), jnp.asarray(lengths), key,
+                                              **kwargs)
+                log_once("generation: KV cache (prefill + decode in one jitted loop; parallax.generate)")
+            else:
+                out, steps = _generate_shifted(graphdef, params, padded, lengths, key, **kwargs)
         except _EmbedAttends:
             if cache:
                 raise ConfigError("generate: the model's embed attends (e.g. dense first layers outside the "
@@ -300,9 +333,6 @@ def generate(graphdef, params, prompts, num_tokens: int, seq_len: int, *, temper
             log_once("generation: no KV cache (the model's embed attends; recomputing the window per token)")
             use_cache = False
     if not use_cache:
-        if cache is None and not fits:
-            log_once(f"generation: no KV cache (prompt + {num_tokens} tokens > seq_len={seq_len}: a sliding window "
-                     f"of {seq_len} tokens, recomputed per token)")
         out, steps = _generate_window(graphdef, params, padded, lengths, key, **kwargs)
     out, steps = np.asarray(out), int(steps)
     results = []

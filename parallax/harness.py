@@ -39,7 +39,7 @@ from tqdm import tqdm
 from parallax import hf
 from parallax.errors import ConfigError
 from parallax.model import forward
-from parallax.generate import generate
+from parallax.generate import decode_parallelism, generate
 from parallax.sample import load_workdir
 
 MAX_GEN_TOKS = 256  # lm-eval's default for a task that does not set max_gen_toks
@@ -122,7 +122,8 @@ class ParallaxLM(TemplateLM):
             if self.tok is None:
                 raise ConfigError(f"hf_dir={hf_dir}: no tokenizer there (tokenizer.json, tokenizer.model); lm-eval "
                                   "scores text: add the model's tokenizer files to the directory")
-        self.graphdef, self.par = trainer.graphdef, trainer.plan.parallelism
+        # decoding=True: e.g. an MoE model routes every token, so a request's score does not depend on its batch
+        self.graphdef, self.par = trainer.graphdef, decode_parallelism(trainer.plan.parallelism)
         vocab = self.vocab_size = trainer.plan.model_config.vocab_size
         if prefix_token is not None and not (str(prefix_token).isdigit() and int(prefix_token) < vocab):
             raise ConfigError(f"prefix_token={prefix_token}: not a token id of this model (0..{vocab - 1}); pass "

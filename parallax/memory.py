@@ -126,13 +126,28 @@ def memory_report(config, devices=None) -> MemoryReport:
         kernel_calls=kernel_calls)
 
 
+def _latest_step(workdir: str):
+    """The latest checkpoint step in `workdir` (None: none), read without creating anything there."""
+    from etils import epath
+
+    from parallax import checkpoint as ckpt_lib
+
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return None
+    reader = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1, cleanup=False)
+    try:
+        return reader.latest_step()
+    finally:
+        reader.close()
+
+
 def dry_run(config, workdir: str | None = None, devices=None) -> str:
     """What a run of `config` in `workdir` would check before its first step, without running or writing
     anything: the data (read, not written), the plan and every config check, the loss and gradients traced
     on the run's step path (`shape_check`), whether `workdir`'s checkpoints would resume with this config,
     and XLA's compiled memory of the train step on `devices` (default: all). Returns a few lines; raises
     ConfigError (one line) where the run would."""
-    from parallax.train import check_resume, make_dataset, resolve_data
+    from parallax.train import check_workdir, make_dataset, resolve_data
     from parallax.trainer import shape_check
 
     devices = list(jax.devices() if devices is None else devices)
@@ -140,20 +155,13 @@ def dry_run(config, workdir: str | None = None, devices=None) -> str:
     dataset = make_dataset(config, tokenizer)
     plan = make_plan(config, len(devices), devices[0].platform)
     checked = shape_check(config, len(devices))
-    if workdir is None:
+    if not workdir:
         resume = "no --workdir: not checked against one"
-    elif not os.path.exists(os.path.join(workdir, "config.json")):
-        resume = f"{workdir}: a new run (no config.json there)"
     else:
-        try:
-            with open(os.path.join(workdir, "config.json")) as f:
-                check_resume(config, f.read())
-        except ConfigError:
-            raise
-        except (ValueError, KeyError, AttributeError, TypeError) as e:
-            raise ConfigError(f"{workdir}/config.json: not a parallax config ({type(e).__name__}: {e}); put back "
-                              "the config.json of the run that wrote the checkpoints, or use a new --workdir") from None
-        resume = f"{workdir}: this config continues the run there (a rerun resumes from its latest checkpoint)"
+        start = _latest_step(workdir)
+        check_workdir(config, workdir, start, tokenizer)
+        resume = (f"{workdir}: a new run (no checkpoint there)" if start is None else
+                  f"{workdir}: this config continues the run there (a rerun resumes from step {start})")
     report = memory_report(config, devices)
     mesh = " ".join(f"{a}={n}" for a, n in plan.sizes.items() if n > 1) or "single device"
     unit, size = ("GiB", GIB) if report.peak >= GIB else ("MiB", 2**20)
@@ -163,7 +171,8 @@ def dry_run(config, workdir: str | None = None, devices=None) -> str:
         f"workdir: {resume}",
         f"memory per device (XLA's analysis of the compiled train step): peak {report.peak / size:.3f} {unit}, "
         f"of which parameters + optimizer state {(report.params + report.optimizer) / size:.3f} {unit}",
-        "dry run: every check passed; nothing was trained or written (launch/plan.py: does it fit a device's HBM?)"])
+        "dry run: every check passed; nothing was trained and the workdir was not touched (launch/plan.py: does it "
+        "fit a device's HBM?)"])
 
 
 def advice(config, report: MemoryReport, hbm_bytes: float) -> list[str]:

@@ -29,7 +29,7 @@ def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
     mesh = dict(mesh or {})
     unknown = set(mesh) - set(config.mesh)
     if unknown:
-        raise ConfigError(f"mesh axis {sorted(unknown)[0]!r}: not one of {', '.join(config.mesh)}")
+        raise ConfigError(f"mesh {mesh}: {sorted(unknown)[0]!r} is not a mesh axis ({', '.join(config.mesh)})")
     for axis in config.mesh:
         config.mesh[axis] = int(mesh.get(axis, 1))
     n = math.prod(config.mesh.values())

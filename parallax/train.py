@@ -257,9 +257,11 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
         profiler.stop()
         if tensorboard is not None:
             tensorboard.close()  # flushes what was logged, also when the run failed
-        stop.restore()
-        if close:
-            checkpointer.close()
+        try:
+            if close:
+                checkpointer.close()  # waits for the last async save: a first Ctrl-C here is only recorded
+        finally:
+            stop.restore()
 
 
 class _Profiler:
@@ -284,6 +286,33 @@ class _Profiler:
             jax.profiler.stop_trace()
 
 
+def check_workdir(config, workdir, start, tokenizer=None) -> None:
+    """Raises ConfigError (one line) if `config` cannot train in `workdir` whose latest checkpoint is step
+    `start` (None: none): a tokenizer other than the run's, checkpoints without config.json, a config that
+    does not continue the saved one. Reads only: `_start` and `parallax.memory.dry_run` both call it."""
+    workdir = epath.Path(workdir)
+    config_path = workdir / "config.json"
+    kept = tok_lib.read_meta(str(workdir / "tokenizer"))
+    if start is not None and tokenizer is not None and kept is not None and kept["hash"] != tokenizer.hash:
+        raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: {tokenizer.describe()} is not the "
+                          f"tokenizer this run was trained with ({kept['kind']}, hash {kept['hash'][:12]}, kept in "
+                          f"{workdir / 'tokenizer'}); train with data.tokenizer={workdir / 'tokenizer'} on a corpus "
+                          "it tokenized, or use a new --workdir")
+    if start is None:
+        return  # a new run (a config.json without checkpoints is a run killed before its first: replaced)
+    if not config_path.exists():
+        raise ConfigError(f"--workdir={workdir}: has checkpoints (latest step {start}) but no config.json, so "
+                          "this config cannot be checked against the run that wrote them; put that run's "
+                          "config.json back, or use a new --workdir")
+    try:
+        check_resume(config, config_path.read_text())
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{config_path}: not a parallax config ({type(e).__name__}: {e}); put back the "
+                          "config.json of the run that wrote the checkpoints, or use a new --workdir") from None
+
+
 def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
     """The state to train from: restored from the latest checkpoint (after checking that the config
     continues the same run), or freshly initialised (writing `config.json`). A workdir that cannot be resumed
@@ -292,23 +321,7 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
     start = checkpointer.latest_step()
     config_path = workdir / "config.json"
     kept = tok_lib.read_meta(str(workdir / "tokenizer"))
-    if start is not None and tokenizer is not None and kept is not None and kept["hash"] != tokenizer.hash:
-        raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: {tokenizer.describe()} is not the "
-                          f"tokenizer this run was trained with ({kept['kind']}, hash {kept['hash'][:12]}, kept in "
-                          f"{workdir / 'tokenizer'}); train with data.tokenizer={workdir / 'tokenizer'} on a corpus "
-                          "it tokenized, or use a new --workdir")
-    if start is not None:
-        if not config_path.exists():
-            raise ConfigError(f"--workdir={workdir}: has checkpoints (latest step {start}) but no config.json, so "
-                              "this config cannot be checked against the run that wrote them; put that run's "
-                              "config.json back, or use a new --workdir")
-        try:
-            check_resume(config, config_path.read_text())
-        except (ValueError, KeyError, AttributeError, TypeError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"{config_path}: not a parallax config ({type(e).__name__}: {e}); put back the "
-                              "config.json of the run that wrote the checkpoints, or use a new --workdir") from None
+    check_workdir(config, workdir, start, tokenizer)
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
         if start is None:

@@ -132,6 +132,43 @@ def test_dry_run_checks_and_writes_nothing(tmp_path):
     assert not os.path.exists(workdir)
 
 
+def test_printed_config_loads_back_with_non_finite_values_and_any_command(tmp_path):
+    """Non-finite floats are printed as float('inf'), and the command that printed it stays a comment, so a
+    path with a backslash or triple quotes does not break the file."""
+    from parallax.defaults import config_source
+
+    config = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    config.optim.clip_norm = float("inf")
+    path = tmp_path / "resolved.py"
+    path.write_text(config_source(config, 'launch/train.py --config.data.path=C:\\Users\\x """ \n'))
+    again = load_config_file(str(path))
+    assert again.optim.clip_norm == float("inf")
+    assert again.to_json_best_effort() == config.to_json_best_effort()
+
+
+def test_dry_run_decides_resume_as_training_does(tmp_path):
+    """Checkpoints without config.json: refused as training refuses them; a config.json without a checkpoint
+    (a run killed before its first save): a new run, as training starts one."""
+    import jax
+
+    from parallax.memory import dry_run
+
+    config = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    for axis in config.mesh:
+        config.mesh[axis] = 1
+    orphan = tmp_path / "orphan"
+    (orphan / "checkpoints" / "3").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="has checkpoints .* but no config.json"):
+        dry_run(config, str(orphan), jax.devices()[:1])
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    other = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    other.optim.lr = 0.5
+    (killed / "config.json").write_text(other.to_json_best_effort())
+    assert "a new run" in dry_run(config, str(killed), jax.devices()[:1])
+    assert sorted(os.listdir(killed)) == ["config.json"]
+
+
 def test_config_keys_page_is_current():
     """docs/config-keys.md is what parallax/configdoc.py prints now: a key added, removed or re-commented
     without regenerating the page fails here (`python -m parallax.configdoc > docs/config-keys.md`)."""

@@ -24,7 +24,9 @@ def _config(model, **mesh):
         config = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
         for axis in config.mesh:
             config.mesh[axis] = mesh.get(axis, 1)
-        config.model.moe.dispatch = "ragged"  # dropless: a token's experts do not depend on the other tokens
+        # the config's capacity dispatch: decoding routes dropless (models/moe.py), or a prompt's drops
+        # would depend on the padding and the tokens sharing its group
+        assert config.model.moe.dispatch == "capacity"
     else:
         config = tiny_config(model, **mesh)
     config.model.init_std = 0.3  # random weights whose greedy continuations are not one repeated token
@@ -71,6 +73,13 @@ def test_decode_on_fsdp_tensor_mesh_equals_one_device(llama):
             np.testing.assert_array_equal(a, b, err_msg=str(kwargs))
 
 
+def test_a_prompt_decodes_the_same_alone_and_in_a_batch():
+    trainer, params = _model(_config("moe"))
+    batched = _generate(trainer, params)
+    for prompt, row in zip(PROMPTS, batched):
+        np.testing.assert_array_equal(_generate(trainer, params, [prompt])[0], row)
+
+
 def test_sampling_options_and_eos(llama):
     trainer, params = llama
     greedy = _generate(trainer, params)
@@ -93,13 +102,27 @@ def test_bad_inputs_are_one_line_errors(llama):
     seq = trainer.config.train.seq_len
     for prompts, kwargs, match in (([[1], []], {}, "prompt 1 is empty"),
                                    ([[1, 999]], {}, "token id 999 outside the vocabulary"),
-                                   ([[1] * seq], dict(cache=True), "more than the cache's seq_len"),
                                    ([[1]], dict(top_p=0.0), "top_p=0.0"),
                                    ([[1]], dict(temperature=-1), "temperature=-1")):
         with pytest.raises(ConfigError, match=match):
             _generate(trainer, params, prompts, **kwargs)
-    # longer than the window: the default recomputes a sliding window (the sampler before the cache)
-    assert [len(o) for o in _generate(trainer, params, [[1] * (seq - 2)], num_tokens=4)] == [4]
+
+
+def test_past_the_window_the_cache_decodes_in_rounds(llama):
+    """Prompt + new tokens > seq_len: rounds that restart from each row's last seq_len // 2 tokens. Until the
+    window is full the tokens are the recomputing sampler's; the second round is a cached decode of its prompt."""
+    trainer, params = llama
+    seq = trainer.config.train.seq_len
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    first = seq - len(prompts[1])  # the first round fills the window of the longest prompt
+    long = _generate(trainer, params, prompts, num_tokens=first + seq // 2 + 3)
+    window = _generate(trainer, params, prompts, num_tokens=first, cache=False)
+    for row, (a, w, p) in enumerate(zip(long, window, prompts)):
+        assert len(a) == first + seq // 2 + 3
+        np.testing.assert_array_equal(a[:first], w)
+        tail = (list(p) + a[:first].tolist())[-(seq // 2):]  # round two's prompt
+        again = _generate(trainer, params, [tail], num_tokens=seq // 2, cache=False)[0]
+        np.testing.assert_array_equal(a[first:first + seq // 2], again, err_msg=f"row {row}")
 
 
 def test_a_model_whose_embed_attends_falls_back_to_the_window():

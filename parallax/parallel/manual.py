@@ -139,6 +139,7 @@ class Parallelism:
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk (0: the whole sequence at once)
     platform: str | None = None  # of the devices compiled for (the plan's); None: the host's backend
     attention_impl: str = "blockwise"  # the local attention kernel: blockwise | splash (the plan resolves auto)
+    decoding: bool = False  # generating (parallax.generate), not training: e.g. a router may route every token
 
     @property
     def manual(self) -> bool:
