@@ -67,20 +67,26 @@ def test_resume_refuses_a_workdir_from_before_named_models():
         check_resume(config, json.dumps(saved))
 
 
-def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
-    workdir = str(tmp_path / "run")
-    flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8",
-             "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.checkpoint_every=0",
-             "--config.train.eval_every=0", "--config.optim.decay_steps=1000"]
+def _signal_after_three_steps(workdir, flags, signum):
+    """Starts `launch/train.py` with `flags`, sends `signum` once 3 steps are logged; (returncode, out, err)."""
     proc = subprocess.Popen(launcher_command("train", *flags), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 120
     while time.time() < deadline and (not os.path.exists(metrics) or len(_losses(workdir)) < 3):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
+    return proc.returncode, out, err
+
+
+def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
+    workdir = str(tmp_path / "run")
+    flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8",
+             "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.checkpoint_every=0",
+             "--config.train.eval_every=0", "--config.optim.decay_steps=1000"]
+    returncode, out, err = _signal_after_three_steps(workdir, flags, signal.SIGTERM)
+    assert returncode == 143, err
     assert "received SIGTERM: saved step" in out
     stopped = _losses(workdir)[-1][0]
     assert 3 <= stopped < 100000
@@ -99,15 +105,8 @@ def test_ctrl_c_saves_exits_130_with_one_line_and_rerun_resumes(tmp_path):
     workdir = str(tmp_path / "run")
     flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=1", "--config.train.log_every=1",
              "--config.train.checkpoint_every=0", "--config.train.eval_every=0", "--config.optim.decay_steps=1000"]
-    proc = subprocess.Popen(launcher_command("train", *flags, "--config.train.steps=100000"), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    deadline = time.time() + 120
-    while time.time() < deadline and (not os.path.exists(metrics) or len(_losses(workdir)) < 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    returncode, out, err = _signal_after_three_steps(workdir, [*flags, "--config.train.steps=100000"], signal.SIGINT)
+    assert returncode == 130, err
     assert "Traceback" not in err + out and "KeyboardInterrupt" not in err + out, err
     said = [line for line in (out + err).splitlines() if "SIGINT" in line]
     stopped = _losses(workdir)[-1][0]
