@@ -43,7 +43,7 @@ def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
     step = checkpointer.latest_step()
     if step is None:
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train first (make train)")
-    params = checkpointer.restore(trainer.abstract_state(), step)["params"]
+    params = checkpointer.restore({"params": trainer.abstract_state()["params"]}, step)["params"]  # not the optimizer
     checkpointer.close()
     return trainer, params, step, workdir_tokenizer(workdir, config)
 
