@@ -120,10 +120,18 @@ def with_defaults(saved):
                 overlay(base[key], value)
             else:
                 base[key] = value
-    config = default_config(saved.model.name)
+    try:  # a relative file name, saved before names were stored absolute, is looked up from here
+        config = default_config(saved.model.name)
+    except ConfigError as e:
+        module = saved.model.name.rpartition(":")[0]
+        if not module.endswith(".py") or os.path.isabs(module):
+            raise
+        raise ConfigError(f"{e}; this name comes from a saved config (a workdir's config.json, written before model "
+                          f"files were stored by absolute path): run from the directory that run was started in, "
+                          f"or write the file's absolute path into that config.json") from None
     with config.unlocked():
         overlay(config, saved)
-    config.model.name = resolve_model_name(config.model.name)  # a relative one, saved before names were absolute
+    config.model.name = resolve_model_name(config.model.name)  # the saved relative name, made absolute again
     return config
 
 

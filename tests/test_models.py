@@ -3,6 +3,7 @@ user's model named by import path match their 1-device runs on every layout; con
 
 import ast
 import glob
+import json
 import os
 import shutil
 import sys
@@ -145,6 +146,13 @@ def test_relative_model_file_is_found_next_to_the_config_file_and_stored_absolut
     monkeypatch.chdir(tmp_path)
     assert load_saved_config(config.to_json_best_effort()).model.name == config.model.name
     assert make_plan(config, 1).model_class.__name__ == "ResidualMLP"
+    old = json.loads(config.to_json_best_effort())  # saved before names were stored absolute
+    old["model"]["name"] = "my_model.py:ResidualMLP"
+    monkeypatch.chdir(project)  # from where that run started: found
+    assert load_saved_config(json.dumps(old)).model.name == config.model.name
+    monkeypatch.chdir(elsewhere)  # elsewhere: the line says the name comes from a saved config
+    with pytest.raises(ConfigError, match="comes from a saved config .* write the file's absolute path"):
+        load_saved_config(json.dumps(old))
 
 
 def test_missing_relative_model_file_exits_2_naming_both_places(tmp_path):
