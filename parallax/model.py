@@ -89,7 +89,7 @@ GENERIC_KEYS = {
     "remat": "none",  # none | full | dots: rematerialisation of each block in the backward
     "attention": "dense",  # dense | ulysses | ring | allgather: attention over mesh.seq > 1
     "attention_block": 512,  # blockwise attention tile, tokens (0: the reference with [T, T] logits)
-    "attention_impl": "auto",  # auto | blockwise | splash: the local attention kernel (auto: splash on TPU)
+    "attention_impl": "auto",  # auto | blockwise | splash | cudnn: attention kernel (auto: TPU splash, GPU bf16 cudnn)
     "loss_chunk": 1024,  # sequence positions per cross-entropy chunk (0: all logits at once)
 }
 EXPLICIT_AXES = ("tensor", "seq")  # mesh axes that need the model's help (`parallel_axes`)

@@ -126,29 +126,43 @@ def _make_plan(config, num_devices, platform):
                 parallelism=par, schedule=schedule, platform=platform)
 
 
-ATTENTION_IMPLS = ("auto", "blockwise", "splash")
+ATTENTION_IMPLS = ("auto", "blockwise", "splash", "cudnn")
 
 
 def _attention_impl(config, sizes, platform) -> str:
-    """`model.attention_impl` resolved for the target: splash where its layout and tiling allow it (auto: on
-    TPU), else blockwise (the reference with attention_block=0). Explicit splash where it cannot run is an error."""
+    """`model.attention_impl` resolved for the target: auto is splash on TPU and cuDNN on GPU (in bf16) where
+    their layout and tiling allow it, else blockwise (the reference with attention_block=0). An explicit
+    kernel where it cannot run is an error."""
     m, t = config.model, config.train
     impl = m.attention_impl
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"config.model.attention_impl={impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
     layout_ok = sizes["seq"] == 1 or m.attention == "ulysses"  # each rank attends over one contiguous layout
+    layout_why = (f"attention={m.attention!r} over mesh.seq={sizes['seq']} gives each rank zigzag chunks (use "
+                  "dense or ulysses)")
     tiles_ok = splash_lib.supports(int(t.seq_len), int(m.attention_block))
+    half = m.dtype in ("bfloat16", "float16")
     if impl == "splash" and platform == "gpu":
         raise ConfigError("config.model.attention_impl='splash': a TPU kernel; on gpu it would run in Pallas "
-                          "interpret mode (for CPU tests only); use attention_impl=blockwise or auto")
+                          "interpret mode (for CPU tests only); use attention_impl=cudnn, blockwise or auto")
     if impl == "splash" and not (layout_ok and tiles_ok):
-        why = (f"attention={m.attention!r} over mesh.seq={sizes['seq']} gives each rank zigzag chunks (use "
-               "dense or ulysses)" if not layout_ok else
-               f"train.seq_len={t.seq_len} with attention_block={m.attention_block} is not tiled by "
-               f"{splash_lib.MIN_BLOCK}-token multiples")
+        why = layout_why if not layout_ok else (f"train.seq_len={t.seq_len} with attention_block="
+                                                f"{m.attention_block} is not tiled by {splash_lib.MIN_BLOCK}-token "
+                                                "multiples")
         raise ConfigError(f"config.model.attention_impl='splash': {why}; or use attention_impl=blockwise")
+    if impl == "cudnn":
+        if platform == "tpu":
+            raise ConfigError("config.model.attention_impl='cudnn': a GPU kernel; on tpu use attention_impl=splash "
+                              "or auto")
+        if not layout_ok:
+            raise ConfigError(f"config.model.attention_impl='cudnn': {layout_why}; or use attention_impl=blockwise")
+        if platform == "gpu" and not half:
+            raise ConfigError(f"config.model.attention_impl='cudnn': cuDNN flash attention takes bfloat16 or float16 "
+                              f"inputs, model.dtype={m.dtype!r}; set model.dtype=bfloat16, or attention_impl=blockwise")
     if impl == "auto":
-        return "splash" if platform == "tpu" and layout_ok and tiles_ok else "blockwise"
+        if platform == "tpu" and layout_ok and tiles_ok:
+            return "splash"
+        return "cudnn" if platform == "gpu" and layout_ok and half else "blockwise"
     return impl
 
 

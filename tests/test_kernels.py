@@ -258,3 +258,50 @@ def test_splash_where_it_cannot_run_is_a_config_error():
         make_plan(c, 1)
     c.model.attention_impl = "auto"
     assert make_plan(c, 1, "tpu").parallelism.attention_impl == "blockwise"  # auto falls back
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_cudnn_wrapper_matches_reference_and_grads(kv_heads):
+    """attention_impl=cudnn's wrapper (jax.nn.dot_product_attention, its XLA implementation on CPU: the
+    mask, layout, GQA and scale a GPU's cuDNN call gets) on packed rows with several documents, a row
+    starting mid-document and end padding: values and gradients, fp32."""
+    from parallax.parallel import cudnn
+
+    rng = np.random.default_rng(10 + kv_heads)
+    q, k, v, seg, pos = _inputs(rng, 3, 24, 4, kv_heads, 8)
+    seg = seg.at[2].set(jnp.asarray(np.r_[np.ones(14), 2 * np.ones(6), np.zeros(4)], jnp.int32))
+    pos = pos.at[2].set(jnp.asarray(np.r_[np.arange(9, 23), np.arange(6), np.arange(4)], jnp.int32))
+
+    def kernel(q, k, v, seg, pos):
+        return cudnn.cudnn_attention(q, k, v, seg, seg, platform="cpu")
+    _check_fwd_and_grads(kernel, _reference, (q, k, v, seg, pos), (0, 1, 2), rng)
+
+
+def test_cudnn_is_auto_on_gpu_in_bf16_and_refused_where_it_cannot_run():
+    from parallax.errors import ConfigError
+    from parallax.plan import make_plan
+
+    c = tiny_config()
+    c.model.dtype = "bfloat16"
+    assert make_plan(c, 1, "gpu").parallelism.attention_impl == "cudnn"
+    c.model.dtype = "float32"
+    assert make_plan(c, 1, "gpu").parallelism.attention_impl == "blockwise"
+    c.model.attention_impl = "cudnn"
+    with pytest.raises(ConfigError, match="cuDNN flash attention takes bfloat16 or float16 inputs"):
+        make_plan(c, 1, "gpu")
+    with pytest.raises(ConfigError, match="'cudnn': a GPU kernel; on tpu use attention_impl=splash"):
+        make_plan(c, 1, "tpu")
+    c = tiny_config(seq=2, data=4)
+    c.model.update(attention="ring", attention_impl="cudnn")
+    with pytest.raises(ConfigError, match="'cudnn': attention='ring' over mesh.seq=2 gives each rank zigzag"):
+        make_plan(c, 8)
+
+
+@pytest.mark.slow
+def test_a_model_with_cudnn_attention_in_the_manual_region_matches_one_device_blockwise(blockwise_reference):
+    """attention_impl=cudnn (its XLA implementation here) at tensor 2 x data 2 against blockwise on one
+    device: loss and every gradient leaf at 1e-5."""
+    from helpers import assert_parity, loss_grads_and_steps
+
+    assert_parity(loss_grads_and_steps(_splash_config("cudnn", tensor=2, data=2), jax.devices()[:4], steps=1),
+                  blockwise_reference, TOL)

@@ -51,7 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from parallax import compat
-from parallax.parallel import flash, sequence, splash, tensor, vocab
+from parallax.parallel import cudnn, flash, sequence, splash, tensor, vocab
 from parallax.sharding import (activation_context, constrain, is_logical_names, logical_to_spec, param_logical_names,
                                spec_axes)
 
@@ -138,7 +138,7 @@ class Parallelism:
     attention_block: int = 512  # blockwise attention tile (0: the reference, [T, T] logits)
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk (0: the whole sequence at once)
     platform: str | None = None  # of the devices compiled for (the plan's); None: the host's backend
-    attention_impl: str = "blockwise"  # the local attention kernel: blockwise | splash (the plan resolves auto)
+    attention_impl: str = "blockwise"  # the local attention kernel: blockwise | splash | cudnn (the plan resolves auto)
     decoding: bool = False  # generating (parallax.generate), not training: e.g. a router may route every token
 
     @property
@@ -242,6 +242,10 @@ class Parallelism:
                       f"tiles; parallax.parallel.splash)")
             fn = functools.partial(splash.splash_attention, platform=self.platform, block=self.attention_block)
             return _per_batch_rows(fn, q, k, v, q_segment_ids, kv_segment_ids)
+        if self.attention_impl == "cudnn":
+            where = "cuDNN" if (self.platform or jax.default_backend()) == "gpu" else "jax.nn's XLA implementation"
+            log_once(f"attention kernel: cudnn (jax.nn.dot_product_attention, {where}; parallax.parallel.cudnn)")
+            return cudnn.cudnn_attention(q, k, v, q_segment_ids, kv_segment_ids, platform=self.platform)
         if self.attention_block:
             log_once(f"attention kernel: blockwise, {self.attention_block}-token tiles (parallax.parallel.flash)")
             return flash.blockwise_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
