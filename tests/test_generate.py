@@ -73,6 +73,13 @@ def test_decode_on_fsdp_tensor_mesh_equals_one_device(llama):
             np.testing.assert_array_equal(a, b, err_msg=str(kwargs))
 
 
+def test_moe_decode_on_an_expert_mesh_equals_one_device():
+    """Experts sharded over `expert` (and FSDP): the compiler partitions the dropless decode."""
+    one = _generate(*_model(_config("moe")))
+    for a, b in zip(one, _generate(*_model(_config("moe", fsdp=2, expert=2), devices=4))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_prompt_decodes_the_same_alone_and_in_a_batch():
     trainer, params = _model(_config("moe"))
     batched = _generate(trainer, params)
