@@ -272,7 +272,8 @@ def _generate_shifted(graphdef, params, prompts, lengths, key, *, num_tokens, se
         batch, lens = _pad_prompts(tail, np.iinfo(np.int32).max, len(tail))
         n = seq_len - batch.shape[1]
         got, steps = _generate_cached(graphdef, params, jnp.asarray(batch), jnp.asarray(lens),
-                                      jax.random.fold_in(key, 1 + round_), num_tokens=n, seq_len=seq_len, **kwargs)
+                                      key if not round_ else jax.random.fold_in(key, round_), num_tokens=n,
+                                      seq_len=seq_len, **kwargs)
         got, steps = np.asarray(got)[:, :min(int(steps), num_tokens - made)], int(steps)
         out[:, made:made + got.shape[1]] = got
         for s, row in zip(seqs, got):
