@@ -43,6 +43,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    mlp_chunks: int = 1  # the MLP over this many sequence chunks, each recomputed in the backward (`Blocks.layer`)
 
     @property
     def dh(self) -> int:
@@ -79,6 +80,14 @@ def rope(x, positions, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def swiglu(h, w_gate, w_up, w_down):
+    """SwiGLU: h [B, T, D], weights [D, F], [D, F], [F, D] -> [B, T, D]."""
+    gate = jnp.einsum("btd,df->btf", h, w_gate)  # (B, T, F)
+    up = jnp.einsum("btd,df->btf", h, w_up)  # (B, T, F)
+    act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    return jnp.einsum("btf,fd->btd", act, w_down)
+
+
 class Blocks(nnx.Module):
     """The stacked parameters of all decoder layers; `layer` runs one layer on one slice of them."""
 
@@ -102,9 +111,29 @@ class Blocks(nnx.Module):
         Under `par` x is this rank's [B, T/(s*t), D]; the batch arrays are [B, T/s].
         """
         x = self.attend(x, batch, par)
-        h = par.gather_seq(rms_norm(x, par.weight(self.mlp_norm), self.cfg.norm_eps))  # (B, T, D)
-        x = x + par.scatter_seq(self.mlp(h, par))
-        return constrain(x, ("batch", "length", "act_embed"))
+        n = self.cfg.mlp_chunks if x.shape[1] % self.cfg.mlp_chunks == 0 else 1  # a decode step: one position
+        if n == 1:
+            h = par.gather_seq(rms_norm(x, par.weight(self.mlp_norm), self.cfg.norm_eps))  # (B, T, D)
+            return constrain(x + par.scatter_seq(self.mlp(h, par)), ("batch", "length", "act_embed"))
+        return constrain(x + self.chunked_mlp(x, n, par), ("batch", "length", "act_embed"))
+
+    def chunked_mlp(self, x, n: int, par: Parallelism = DENSE):
+        """The MLP half of `layer` (norm, gather, SwiGLU, scatter) over n chunks of this rank's positions, in a
+        scan whose steps are recomputed in the backward: one chunk's [B, T/n, F] intermediates (and, under
+        tensor parallelism, its gathered [B, T/n, D] stream) are live, not the row's. The weights are gathered
+        once, before the scan. Per-token, so the values are the unchunked ones; the cost is one more MLP
+        forward in the backward. x: this rank's [B, T/(s*t), D] -> [B, T/(s*t), D]. Chunk j of rank r's
+        positions, gathered over `tensor`, is every rank's chunk j, and the reduce-scatter hands each rank its
+        own back."""
+        cfg, dt, w = self.cfg, self.cfg.compute_dtype, par.weight
+        scale, wg, wu, wd = w(self.mlp_norm), w(self.w_gate, dt), w(self.w_up, dt), w(self.w_down, dt)
+        b, tl, d = x.shape
+
+        def one(_, xc):
+            return None, par.scatter_seq(swiglu(par.gather_seq(rms_norm(xc, scale, cfg.norm_eps)), wg, wu, wd))
+        one = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable)
+        _, ys = jax.lax.scan(one, None, jnp.moveaxis(x.reshape(b, n, tl // n, d), 1, 0))
+        return jnp.moveaxis(ys, 0, 1).reshape(b, tl, d)
 
     def attend(self, x, batch, par: Parallelism = DENSE):
         """The attention half of a layer with its residual: x [B, T, D] -> x [B, T, D] (split as `layer`)."""
@@ -123,10 +152,7 @@ class Blocks(nnx.Module):
     def mlp(self, h, par: Parallelism = DENSE):
         """SwiGLU on the normed, gathered stream h [B, T, D] -> [B, T, D] (partial sums over `tensor`)."""
         dt, w = self.cfg.compute_dtype, par.weight
-        gate = jnp.einsum("btd,df->btf", h, w(self.w_gate, dt))  # (B, T, F)
-        up = jnp.einsum("btd,df->btf", h, w(self.w_up, dt))  # (B, T, F)
-        act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", act, w(self.w_down, dt))
+        return swiglu(h, w(self.w_gate, dt), w(self.w_up, dt), w(self.w_down, dt))
 
 
 class Llama(Model):
@@ -145,6 +171,7 @@ class Llama(Model):
             rope_theta=10000.0,  # RoPE base frequency
             norm_eps=1e-5,  # RMSNorm epsilon
             init_std=0.02,  # std of the normal initialisation
+            mlp_chunks=1,  # the MLP in this many sequence chunks, each recomputed in the backward (less memory)
         )
 
     @staticmethod
@@ -163,6 +190,11 @@ class Llama(Model):
                               f"even head_dim")
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_kv_heads,
                               ("num_heads", "num_kv_heads", "vocab_size", "d_ff"))
+        local = config.train.seq_len // (sizes["seq"] * sizes["tensor"])  # a rank's positions of a row
+        if m.mlp_chunks < 1 or local % m.mlp_chunks:
+            raise ConfigError(f"config.model.mlp_chunks={m.mlp_chunks}: must be >= 1 and divide each rank's "
+                              f"{local} positions of a row (train.seq_len={config.train.seq_len} / (mesh.seq x "
+                              f"mesh.tensor)); use a divisor of {local}")
 
     hf_architectures = ("LlamaForCausalLM",)
 

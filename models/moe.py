@@ -315,7 +315,7 @@ class MoE(Model):
     @staticmethod
     def config_defaults() -> dict:
         defaults = llama.Llama.config_defaults()
-        del defaults["d_ff"]  # the experts' width is moe.d_ff_expert
+        del defaults["d_ff"], defaults["mlp_chunks"]  # the experts' width is moe.d_ff_expert; no dense MLP chunks
         return {**defaults, "moe": dict(MOE_DEFAULTS)}
 
     @staticmethod
@@ -391,7 +391,8 @@ class MoE(Model):
                               f"jax.lax.ragged_all_to_all is not implemented on XLA:CPU; use "
                               f"moe.dispatch='capacity' with moe.capacity_factor=0 (dropless: capacity = all tokens "
                               f"of a row), or mesh.expert=1")
-        llama.Llama.check_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": tp}), sizes, config)  # heads, dims
+        llama.Llama.check_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": tp, "mlp_chunks": 1}), sizes,
+                                 config)  # heads, dims
 
     def __init__(self, config, rngs: nnx.Rngs):
         cfg = _llama_config(config)

@@ -240,6 +240,7 @@ def test_splash_in_the_manual_region_trains_evaluates_checkpoints_and_resumes_in
     from helpers import bf16_train_eval_resume
 
     config = _splash_config("splash", tensor=2, data=4)
+    config.model.mlp_chunks = 4  # and the MLP in sequence chunks (each rank's 64 positions in 4)
     bf16_train_eval_resume(config, tmp_path)
 
 
@@ -305,3 +306,27 @@ def test_a_model_with_cudnn_attention_in_the_manual_region_matches_one_device_bl
 
     assert_parity(loss_grads_and_steps(_splash_config("cudnn", tensor=2, data=2), jax.devices()[:4], steps=1),
                   blockwise_reference, TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(tensor=2, data=2), dict(fsdp=2, data=2)], ids=["manual-region", "compiler"])
+def test_the_mlp_in_sequence_chunks_matches_one_device(mesh, blockwise_reference):
+    """model.mlp_chunks=2 (the MLP over 2 chunks of each rank's positions, recomputed in the backward; with
+    tensor parallelism each chunk gathered and reduce-scattered on its own) against the unchunked model on
+    one device: loss and every gradient leaf at 1e-5."""
+    from helpers import assert_parity, loss_grads_and_steps
+
+    config = _splash_config("blockwise", **mesh)
+    config.model.mlp_chunks = 2
+    n = int(np.prod(list(mesh.values())))
+    assert_parity(loss_grads_and_steps(config, jax.devices()[:n], steps=1), blockwise_reference, TOL)
+
+
+def test_mlp_chunks_that_do_not_divide_a_rank_s_positions_are_a_config_error():
+    from parallax.errors import ConfigError
+    from parallax.plan import make_plan
+
+    c = tiny_config(tensor=2, data=4)  # seq_len 32: 16 positions per tensor rank
+    c.model.mlp_chunks = 3
+    with pytest.raises(ConfigError, match="mlp_chunks=3: must be >= 1 and divide each rank's 16 positions"):
+        make_plan(c, 8)
