@@ -166,7 +166,8 @@ def bench_muon():
 
     from parallax import hlo, optim
     from parallax.defaults import load_config_file
-    from parallax.trainer import Trainer, _opt_state_shardings
+    from parallax.sharding import opt_state_shardings
+    from parallax.trainer import Trainer
 
     print("\n| config | devices | Newton-Schulz | FLOPs per device | collectives | bytes moved per device |\n"
           "|---|---|---|---|---|---|")
@@ -184,7 +185,7 @@ def bench_muon():
         for label, mesh in (("plain", None), ("spread", trainer.mesh)):
             tx = optim.make_optimizer(config.optim, 100, trainer.logical, mesh)
             state = jax.eval_shape(tx.init, params)
-            shardings = (trainer.param_shardings, _opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
+            shardings = (trainer.param_shardings, opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
                          trainer.param_shardings)
             compiled = jax.jit(tx.update, in_shardings=shardings).lower(params, state, params).compile()
             cost = compiled.cost_analysis()

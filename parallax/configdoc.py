@@ -89,7 +89,7 @@ def config_keys_page() -> str:
              "`parallax/model.py`, each model's `config_defaults()`): `python -m parallax.configdoc > "
              "docs/config-keys.md`;",
              "a test fails when it is out of date.", ""]
-    for section in ("mesh", "train", "optim", "pipeline", "data", "dist"):
+    for section in ("mesh", "train", "optim", "pipeline", "diloco", "data", "dist"):
         lines += _table(section, "", _rows(section, base[section], lambda k, s=section: general.get((s, k))))
     lines += _table("model", "Read by parallax for every model; `model.name` picks the model, whose own keys "
                     "follow.", _rows("model", model.GENERIC_KEYS, generic.get))

@@ -36,6 +36,7 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     # Every key below has its meaning in a comment on its line: `parallax/configdoc.py` builds the page of
     # config keys (docs/config-keys.md) from them, and a test fails when a key has none.
     c.mesh = ml_collections.ConfigDict(dict(
+        replica=1,  # DiLoCo replicas: each trains its own copy of the model, synced every `diloco.sync_every` steps
         data=-1,  # data-parallel size (-1: what the other axes leave of the device count)
         fsdp=1,  # FSDP (ZeRO-3) size: parameters, gradients and optimizer state sharded over it
         pipe=1,  # pipeline stages (the layer stack split over them; `pipeline.*` picks the schedule)
@@ -61,7 +62,7 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         profile_steps=(),  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
     ))
     c.optim = ml_collections.ConfigDict(dict(
-        name="adamw",  # adamw | muon (Muon for matrices, AdamW for the rest)
+        name="adamw",  # adamw | muon (Muon for matrices, AdamW for the rest) | sgd (with sgd_momentum)
         lr=1e-3,  # peak learning rate
         warmup_steps=10,  # linear warmup from 0 to lr
         weight_decay=0.1,  # decoupled weight decay, of matrices only (not norm scales or biases)
@@ -73,6 +74,7 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         decay_steps=0,  # the schedule's length (0: train.steps); keep it to extend a run
         schedule="cosine",  # cosine | wsd (warmup-stable-decay) | constant
         wsd_decay_fraction=0.2,  # wsd: the final fraction of the steps that decays linearly
+        sgd_momentum=0.0,  # sgd: heavy-ball momentum (0: plain SGD)
         muon_beta=0.95,  # Muon's momentum
         muon_nesterov=True,  # Muon: Nesterov momentum
         muon_ns_steps=5,  # Muon: Newton-Schulz iterations
@@ -87,6 +89,16 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         microbatches=4,  # pipeline microbatches per step
         virtual_stages=1,  # stages (chunks) per pipeline rank (interleaved_1f1b; zbv takes 2)
         remat=False,  # store only each chunk's input and recompute its forward in the backward
+    ))
+    # DiLoCo (parallax/paths/diloco.py): with mesh.replica > 1, each replica trains alone for sync_every
+    # steps, then the replicas' mean parameter change moves the global parameters by the outer optimizer.
+    c.diloco = ml_collections.ConfigDict(dict(
+        sync_every=50,  # inner steps between outer syncs (DiLoCo's H), with mesh.replica > 1
+        outer_lr=0.7,  # the outer optimizer's learning rate (DiLoCo: 0.7; 1 with outer_momentum=0: averaging)
+        outer_momentum=0.9,  # the outer optimizer's momentum (0: plain SGD)
+        nesterov=True,  # Nesterov momentum for the outer optimizer
+        pseudo_grad_dtype="float32",  # float32 | bfloat16 | int8: what the pseudo-gradients travel as
+        error_feedback=True,  # bfloat16 / int8: add each replica's rounding error to its next pseudo-gradient
     ))
     c.data = ml_collections.ConfigDict(dict(
         source="synthetic",  # synthetic | text (bytes of files) | tokens (shard directories or one token file)

@@ -104,3 +104,68 @@ def loop_body_collectives(compiled_or_hlo_text) -> list[dict[str, int]]:
         if any(counts.values()):
             result.append(counts)
     return result
+
+
+_GROUPS = re.compile(r"replica_groups=(\{\}|\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\(\[(?P<ids>[0-9,]+)\](?:T\((?P<perm>[0-9,]+)\))?\))?\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{(\{[0-9,{}]*\})\}")
+_TYPED_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of a collective line: replica groups (explicit, empty = all, iota
+    `[G,S]<=[dims]T(perm)`, or over named mesh axes), or a permute's source-target pairs."""
+    import numpy as np
+
+    pairs = _PAIRS.search(line)
+    if pairs:
+        return [[int(d) for d in p.split(",")] for p in re.findall(r"\{([0-9,]+)\}", pairs[1])]
+    mesh = _MESH_GROUPS.search(line)
+    if mesh:  # replica_groups=mesh['a'=2,'b'=4] {'b'}: the devices along the named axes form each group
+        axes = re.findall(r"'([^']+)'=([0-9]+)", mesh[1])
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        along = [names.index(a) for a in re.findall(r"'([^']+)'", mesh[4])]
+        ids = np.arange(math.prod(sizes))
+        if mesh["ids"]:  # device_ids=([dims]T(perm)): the mesh's devices in that order
+            dims = [int(d) for d in mesh["ids"].split(",")]
+            perm = [int(p) for p in mesh["perm"].split(",")] if mesh["perm"] else list(range(len(dims)))
+            ids = ids.reshape(dims).transpose(perm).reshape(-1)
+        ids = ids.reshape(sizes)
+        ids = np.moveaxis(ids, along, list(range(len(sizes) - len(along), len(sizes))))
+        return ids.reshape(-1, math.prod(sizes[i] for i in along)).tolist()
+    match = _GROUPS.search(line)
+    if match is None or match[1] == "{}":
+        return [list(range(num_devices))]
+    text = match[1]
+    if text.startswith("{"):
+        return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([0-9,]+)\}", text)]
+    shape, dims, perm = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text).groups()
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(p) for p in perm.split(",")])
+    return ids.reshape([int(d) for d in shape.split(",")]).tolist()
+
+
+def collective_traffic(compiled_or_hlo_text, num_devices: int) -> list[dict]:
+    """Every collective as {op, arrays: [(dtype, shape)], groups: [[device, ...], ...], sent: bytes one
+    device sends}. Device ids are the program's (the positions in its mesh's device order). Bytes sent by a
+    ring over a group of g: all-reduce 2 (g-1)/g of the array, all-gather and all-to-all (g-1)/g of the
+    result, reduce-scatter (g-1) times the result, a permute the array. (An async `-start`'s shape lists its
+    operand and result both: read synchronous programs, such as XLA:CPU's.)"""
+    found = []
+    for line in _text(compiled_or_hlo_text).splitlines():
+        match = _INSTRUCTION.search(line)
+        if match is None:
+            continue
+        arrays = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _TYPED_SHAPE.findall(match["shape"])]
+        groups = _groups(line, num_devices)
+        g = max(len(x) for x in groups)
+        size = sum(math.prod(shape) * _DTYPE_BYTES.get(t, 4) for t, shape in arrays)
+        op = match["op"]
+        sent = {"all-reduce": 2 * (g - 1) / g * size, "all-gather": (g - 1) / g * size,
+                "all-to-all": (g - 1) / g * size, "reduce-scatter": (g - 1) * size}.get(op, size)
+        found.append({"op": op, "arrays": arrays, "groups": groups, "sent": sent if g > 1 else 0.0})
+    return found

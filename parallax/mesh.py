@@ -1,7 +1,7 @@
 """The device mesh: `MeshConfig` sizes -> a `jax.sharding.Mesh` with the canonical axes.
 
-Axes, outermost (slowest network) to innermost: data, fsdp, pipe, expert, seq, tensor. Every size
-defaults to 1 and one may be -1 (inferred from the device count). A product that does not match the
+Axes, outermost (slowest network) to innermost: replica, data, fsdp, pipe, expert, seq, tensor. Every
+size defaults to 1 and one may be -1 (inferred from the device count). A product that does not match the
 device count is a `ConfigError` raised before anything is compiled.
 """
 
@@ -15,7 +15,10 @@ import numpy as np
 
 from parallax.errors import ConfigError
 
-AXES = ("data", "fsdp", "pipe", "expert", "seq", "tensor")
+AXES = ("replica", "data", "fsdp", "pipe", "expert", "seq", "tensor")
+# DiLoCo's replicas (`parallax.paths.diloco`): each holds its own copy of the model, so no step but the
+# outer sync communicates over it, and no sharding rule may name it.
+REPLICA = "replica"
 
 
 def simulate_cpu_devices(n: int) -> None:

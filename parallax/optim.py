@@ -1,4 +1,4 @@
-"""Optax optimizers: AdamW or Muon (+ AdamW for the rest), LR schedules, clipping, and a one-step gradient delay.
+"""Optax optimizers: AdamW, Muon (+ AdamW for the rest) or SGD, LR schedules, clipping, and a one-step gradient delay.
 
 Every choice is made from the parameters' logical axis names, never from parameter names:
 
@@ -46,7 +46,7 @@ _STACKING = ("layers", "experts")
 _ADAMW_ONLY = ("router",)
 # `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
 _NOT_MATRIX_DIMS = ("head_dim",)
-NAMES = ("adamw", "muon")
+NAMES = ("adamw", "muon", "sgd")
 SCHEDULES = ("cosine", "wsd", "constant")
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -324,6 +324,8 @@ def check(optim_config, stale_gradients: bool = False) -> None:
                           f"whose gradients are one step stale) or optim.delay_correction=none")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
+    if not 0 <= float(o.sgd_momentum) < 1:
+        raise ConfigError(f"config.optim.sgd_momentum={o.sgd_momentum}: expected a value in [0, 1)")
     if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1 or float(o.muon_rms) <= 0:
         raise ConfigError(f"config.optim: muon_ns_steps={o.muon_ns_steps} must be >= 1, muon_beta={o.muon_beta} "
                           f"in [0, 1) and muon_rms={o.muon_rms} > 0")
@@ -350,6 +352,10 @@ def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None,
     schedule = lr_schedule(o, total_steps)
     if o.name == "muon":
         tx = _muon(o, schedule, logical_names, mesh)
+    elif o.name == "sgd":  # linear in the gradients: DiLoCo's exactness reference (a mean of steps is a step)
+        momentum = float(o.sgd_momentum)
+        tx = optax.chain(optax.add_decayed_weights(float(o.weight_decay), decay_mask(logical_names)),
+                         *([optax.trace(momentum)] if momentum else []), optax.scale_by_learning_rate(schedule))
     else:
         tx = optax.adamw(learning_rate=schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
                          weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))

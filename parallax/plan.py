@@ -99,7 +99,8 @@ def _make_plan(config, num_devices, platform):
                               f"mesh.{axis}=1 and use data, fsdp or pipe")
     rules = _rules(config, cls)
     batch_axes = tuple(a for a in sharding.spec_axes(rules["batch"]) if sizes[a] > 1)
-    _check_batch(config, math.prod(sizes[a] for a in batch_axes))
+    _check_diloco(config, sizes)
+    _check_batch(config, math.prod(sizes[a] for a in batch_axes) * sizes[mesh_lib.REPLICA])
     schedule = _pipeline_schedule(config, sizes, math.prod(sizes[a] for a in batch_axes))
     model_config = model_lib.frozen(config.model)
     abstract_model = nnx.eval_shape(lambda: cls(model_config, nnx.Rngs(0)))
@@ -227,6 +228,25 @@ def _check_generic(config, sizes):
         raise ConfigError(f"config.model.vocab_size={m.vocab_size}: byte-level text needs vocab_size >= 256")
 
 
+PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def _check_diloco(config, sizes):
+    """`diloco.*`, and the layouts DiLoCo replicas (`mesh.replica > 1`, `parallax.paths.diloco`) run."""
+    d, r = config.diloco, sizes[mesh_lib.REPLICA]
+    if int(d.sync_every) < 1:
+        raise ConfigError(f"config.diloco.sync_every={d.sync_every}: must be >= 1 (inner steps between syncs)")
+    if d.pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
+        raise ConfigError(f"config.diloco.pseudo_grad_dtype={d.pseudo_grad_dtype!r}: expected one of "
+                          f"{', '.join(PSEUDO_GRAD_DTYPES)}")
+    if float(d.outer_lr) <= 0 or not 0 <= float(d.outer_momentum) < 1:
+        raise ConfigError(f"config.diloco: outer_lr={d.outer_lr} must be > 0 and outer_momentum={d.outer_momentum} "
+                          f"in [0, 1)")
+    if r > 1 and sizes["pipe"] > 1:
+        raise ConfigError(f"config.mesh.replica={r} with mesh.pipe={sizes['pipe']}: DiLoCo does not run pipelines "
+                          f"yet; set mesh.pipe=1 (data, fsdp, tensor, seq and expert work inside each replica)")
+
+
 def _check_muon_exclude(config, rules):
     names = [n.strip() for n in str(config.optim.muon_exclude).split(",") if n.strip()]
     for name in names:
@@ -249,7 +269,7 @@ def _check_batch(config, dp):
     if t.global_batch_size % (dp * t.microbatches):
         raise ConfigError(
             f"config.train.global_batch_size={t.global_batch_size}: must be divisible by data-parallel size {dp} "
-            f"x microbatches {t.microbatches} = {dp * t.microbatches}")
+            f"(mesh.replica included) x microbatches {t.microbatches} = {dp * t.microbatches}")
 
 
 def _check_explicit_rules(sizes, rules, logical):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -383,7 +384,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         state, metrics = trainer.train_step(state, batch)  # dispatched asynchronously
         step += 1
         batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
-        metrics = jax.device_get(metrics)  # the next batch was built while the device ran this step
+        metrics = trainer.path.host_metrics(jax.device_get(metrics))  # the next batch was built meanwhile
         if profiler is not None:
             profiler.after(step)
         now = time.perf_counter()
@@ -396,6 +397,8 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
             # no loss to log (NaN is not JSON)
             del record["loss"], record["grad_norm"]
         record.update({k: float(v) for k, v in metrics.get("model", {}).items()})  # e.g. MoE router statistics
+        # a step path's own (e.g. DiLoCo's outer step), on the steps that have them (NaN on the others)
+        record.update({k: float(v) for k, v in metrics.get("path", {}).items() if math.isfinite(float(v))})
         if step == first_step + 1:
             record["includes_compile"] = True
         if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):

@@ -24,23 +24,6 @@ from parallax.paths import make_path
 from parallax.plan import Plan, abstract_batch, make_plan
 
 
-def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
-    """Optimizer leaves mirroring a parameter get its sharding; everything else is replicated."""
-    by_path = {}
-    for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
-        by_path[tuple(k.key for k in path)] = s
-    replicated = NamedSharding(mesh, P())
-
-    def one(path, leaf):
-        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-        for start in range(len(keys)):
-            s = by_path.get(keys[start:])
-            if s is not None and len(s.spec) <= leaf.ndim:
-                return s
-        return replicated
-    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
-
-
 class Trainer:
     """Everything derived from a plan and a mesh: shardings, optimizer, and the jitted steps."""
 
@@ -71,10 +54,11 @@ class Trainer:
         self.state_shardings = {
             "step": replicated,
             "params": self.param_shardings,
-            "opt_state": _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh),
+            "opt_state": self.path.opt_state_shardings(
+                sharding.opt_state_shardings(abstract_opt, self.param_shardings, self.mesh)),
             **self.path.extra_shardings(self.param_shardings),
         }
-        self.batch_sharding = sharding.batch_sharding(self.mesh, plan.rules)  # rows: what each host loads
+        self.batch_sharding = self.path.rows_sharding()  # rows: what each host loads
         # Per batch key: the rows' sharding, and with a pipeline the inputs only one stage reads also split
         # over `pipe`, so that only that rank receives them whole.
         self.batch_shardings = self.path.batch_shardings()
@@ -84,7 +68,7 @@ class Trainer:
         self.loss_and_grads = jax.jit(self._loss_and_grads, out_shardings=(replicated, self.param_shardings))
         self.train_step = jax.jit(self._train_step, donate_argnums=0,
                                   in_shardings=(self.state_shardings, self.batch_shardings),
-                                  out_shardings=(self.state_shardings, replicated))
+                                  out_shardings=(self.state_shardings, self.path.metrics_sharding()))
         self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
 
     @property
@@ -100,7 +84,7 @@ class Trainer:
 
     def _init_state(self, seed: int):
         params = nnx.to_pure_dict(nnx.state(self.plan.new_model(seed)))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.path.init_opt_state(self.tx, params),
                 **self.path.init_extra(params)}
 
     def _loss_and_grads(self, params, batch):

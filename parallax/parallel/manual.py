@@ -51,6 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from parallax import compat
+from parallax.mesh import REPLICA
 from parallax.parallel import cudnn, flash, sequence, splash, tensor, vocab
 from parallax.sharding import (activation_context, constrain, is_logical_names, logical_to_spec, param_logical_names,
                                spec_axes)
@@ -364,12 +365,12 @@ def log_once(message: str) -> None:
 
 def _vary(x, spec: P, mesh):
     """Casts a parameter replicated over some mesh axes to varying over them (grad psum at the boundary)."""
-    used = {a for entry in spec for a in spec_axes(entry)}
+    used = {a for entry in spec for a in spec_axes(entry)} | {REPLICA}  # DiLoCo replicas share no gradient
     axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
-def shard_loss(loss_fn, par: Parallelism, mesh, param_logical):
+def shard_loss(loss_fn, par: Parallelism, mesh, param_logical, replicas: bool = False):
     """Wraps `loss_fn(params, batch) -> scalar` (or a pytree of them, each reduced over every axis) so it
     runs per rank in a shard_map manual over every axis.
 
@@ -377,14 +378,27 @@ def shard_loss(loss_fn, par: Parallelism, mesh, param_logical):
     (heads / kv_heads / mlp / vocab -> tensor, embed -> fsdp, ...). Batch arrays [B, T] are split by the
     `batch` and `length` rules. `loss_fn` gets params still sharded over FSDP (the model calls
     `par.unshard` where it uses a weight) and must return a value reduced over all axes (`par.sum_tokens`).
+
+    `replicas` (DiLoCo, `parallax.paths.diloco`): every parameter has a leading [R] dim split over the
+    `replica` axis, the batch rows are split over `replica` first, and each output gains a leading [R] dim:
+    replica r's value, from its own parameters and rows. No collective runs over `replica`.
     """
     param_specs = par.param_specs(param_logical)
     batch_spec = par.spec(("batch", None if par.zigzag else "length"))
+    out_spec = P()
+    if replicas:
+        param_specs = jax.tree.map(lambda s: P(REPLICA, *s), param_specs, is_leaf=lambda s: isinstance(s, P))
+        rows = spec_axes(batch_spec[0]) if len(batch_spec) else ()
+        batch_spec = P((REPLICA, *rows), *batch_spec[1:])
+        out_spec = P(REPLICA)
 
     def per_rank(params, batch):
-        params = jax.tree.map(lambda p, s: _vary(p, s, mesh), params, param_specs)
-        return loss_fn(params, par.local_sequence(batch))
+        if replicas:
+            params = jax.tree.map(lambda p: p[0], params)  # this replica's
+        params = jax.tree.map(lambda p, s: _vary(p, s, mesh), params, par.param_specs(param_logical))
+        out = loss_fn(params, par.local_sequence(batch))
+        return jax.tree.map(lambda a: a[None], out) if replicas else out
 
-    region = jax.shard_map(per_rank, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=P(),
+    region = jax.shard_map(per_rank, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=out_spec,
                            axis_names=set(mesh.axis_names))
     return region

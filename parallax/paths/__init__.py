@@ -1,14 +1,15 @@
 """Step paths: how one train / eval step runs the model on a mesh (`base.StepPath` is the interface).
 
 `PATHS` is the one list of them and `make_path` the one place that picks one for a plan: the first whose
-`runs(plan)` holds. A new kind of step (say DiLoCo's outer step) is a new module with a `StepPath`
-subclass and one entry here.
+`runs(plan)` holds. A new kind of step (DiLoCo's replicas and outer step, `diloco.py`) is a new module
+with a `StepPath` subclass and one entry here.
 """
 from parallax.paths.base import DensePath, ManualPath, StepPath
+from parallax.paths.diloco import DilocoPath
 from parallax.paths.pipeline import PipelinePath
 from parallax.paths.steady import SteadyPipelinePath
 
-PATHS = (SteadyPipelinePath, PipelinePath, ManualPath, DensePath)
+PATHS = (DilocoPath, SteadyPipelinePath, PipelinePath, ManualPath, DensePath)
 
 
 def make_path(plan, mesh) -> StepPath:
@@ -22,5 +23,5 @@ def check_resume(saved: dict, now: dict) -> None:
         cls.check_resume(saved, now)
 
 
-__all__ = ["PATHS", "DensePath", "ManualPath", "PipelinePath", "StepPath", "SteadyPipelinePath", "check_resume",
+__all__ = ["PATHS", "DensePath", "DilocoPath", "ManualPath", "PipelinePath", "StepPath", "SteadyPipelinePath", "check_resume",
            "make_path"]

@@ -54,6 +54,10 @@ class StepPath:
         """The spec of the [B, T] batch array `key`: rows over the batch axes."""
         return sharding.logical_to_spec(("batch", "length"), self.plan.rules, self.mesh)
 
+    def rows_sharding(self) -> NamedSharding:
+        """The sharding of a [B, T] batch's rows: which rows each host loads (`Trainer.host_rows`)."""
+        return sharding.batch_sharding(self.mesh, self.plan.rules)
+
     def batch_shardings(self) -> dict:
         return {k: NamedSharding(self.mesh, self.batch_spec(k)) for k in abstract_batch(self.plan.config)}
 
@@ -122,6 +126,22 @@ class StepPath:
     def init_extra(self, params) -> dict:
         """The entries `state_keys` at the start of a run from `params`."""
         return {}
+
+    def metrics_sharding(self) -> NamedSharding:
+        """The sharding of the train step's metrics (each a scalar here: replicated)."""
+        return NamedSharding(self.mesh, P())
+
+    def host_metrics(self, metrics: dict) -> dict:
+        """The train step's metrics, fetched to the host, as the loop logs them (scalars)."""
+        return metrics
+
+    def init_opt_state(self, tx, params):
+        """The train state's `opt_state` at the start of a run: the optimizer's, for `params`."""
+        return tx.init(params)
+
+    def opt_state_shardings(self, shardings):
+        """The shardings of `init_opt_state`'s leaves, given those of `tx.init(params)`."""
+        return shardings
 
     def train_step(self, update, state, batch):
         """(state, metrics) after one step; `update(state, batch, loss, grads, aux)` is the trainer's

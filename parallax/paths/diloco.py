@@ -1,0 +1,313 @@
+"""DiLoCo: replicas that train alone and sync every H steps through an outer optimizer (`mesh.replica > 1`).
+
+The `replica` mesh axis (outermost) holds R copies of the model. Each replica is a whole training run of
+its own inside its devices: its parameters and inner optimizer state are sharded by the other axes (data,
+FSDP, tensor, seq, expert) exactly as a run without replicas would shard them, and it takes 1/R of every
+global batch's rows. An inner step is the inner path's step (dense or manual) on every replica at once,
+and issues **no collective over `replica`**: on the dense path it is `jax.vmap` with
+`spmd_axis_name='replica'` over the stacked replica states, in the manual region the same region with
+`replica` as one more manual axis that only splits (`shard_loss(replicas=True)`).
+
+Every `diloco.sync_every` (H) steps, after the inner step, the outer step (DiLoCo, arXiv 2311.08105):
+
+    delta_r = global - params_r                     the pseudo-gradient of replica r (fp32)
+    delta   = mean_r delta_r                        the one collective over `replica`
+    global  = global + outer_update(delta)          SGD with (Nesterov) momentum: lr 0.7, momentum 0.9
+    params_r = global                               every replica restarts from it; inner states stay
+
+With outer lr 1, momentum 0 and H = 1, global = mean_r params_r: with a linear inner optimizer
+(`optim.name=sgd`) that is one data-parallel step on the whole batch (tests/test_diloco.py checks it).
+
+Pseudo-gradients travel as `diloco.pseudo_grad_dtype`: float32 (an all-reduce), bfloat16 (an all-reduce
+of half the bytes) or int8 (a per-tensor absmax scale per replica; an all-gather of the int8 values and
+the scales, dequantised and averaged on arrival: a quarter of the bytes, since an all-reduce cannot sum
+int8 without overflow). With `diloco.error_feedback` each replica keeps what rounding took from its
+pseudo-gradient (fp32, one more copy of its parameters) and adds it to the next one.
+
+State: `params` are the global parameters (what eval, sampling and export read), `opt_state` the
+replicas' inner optimizer states stacked [R, ...], and `diloco` holds the replicas' parameters [R, ...],
+the outer optimizer's state and the rounding errors. All of it is checkpointed, so a run resumes exactly,
+also in the middle of an inner phase; a checkpoint resumes with the same `mesh.replica` only.
+
+The inner loss is each replica's own token mean (its rows' weight total), and the pseudo-gradients are
+averaged with equal weights, as in the paper. Metrics are means over replicas. Not yet: pipelines
+(`mesh.pipe > 1`), streaming (fragments synced at staggered steps, overlapped with inner steps).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallax import model as model_lib
+from parallax import sharding
+from parallax.errors import ConfigError
+from parallax.mesh import REPLICA
+from parallax.parallel.manual import shard_loss
+from parallax.parallel.tensor import reduction_dtype
+from parallax.paths.base import ManualPath, StepPath
+
+def _with_replica(spec: P) -> P:
+    """`spec` of a [B, ...] array with its rows split over `replica` first."""
+    rows = sharding.spec_axes(spec[0]) if len(spec) else ()
+    return P((REPLICA, *rows), *spec[1:])
+
+
+def _stacked(s: NamedSharding) -> NamedSharding:
+    """The sharding of a leaf stacked [R, ...] over replicas from that of one replica's leaf."""
+    return NamedSharding(s.mesh, P(REPLICA, *s.spec))
+
+
+class DilocoPath(StepPath):
+    """`mesh.replica > 1`: R replicas of the inner path (dense or manual), synced every H steps."""
+
+    state_keys = ("diloco",)
+
+    @classmethod
+    def runs(cls, plan) -> bool:
+        return plan.sizes[REPLICA] > 1
+
+    def __init__(self, plan, mesh):
+        super().__init__(plan, mesh)
+        from parallax.paths import PATHS  # the inner path: the one this plan would run without replicas
+
+        self.inner = next(c for c in PATHS if c is not DilocoPath and c.runs(plan))(plan, mesh)
+        self.replicas = plan.sizes[REPLICA]
+        self.manual = isinstance(self.inner, ManualPath)
+        d = plan.config.diloco
+        self.every, self.dtype = int(d.sync_every), d.pseudo_grad_dtype
+        self.feedback = bool(d.error_feedback) and self.dtype != "float32"
+        # One replica's parameter specs: how the outer exchange splits each tensor.
+        self.param_specs = None if mesh is None else jax.tree.map(
+            lambda s: s.spec, sharding.param_shardings(plan.abstract_params, plan.logical, mesh, plan.rules))
+        self.outer_tx = optax.sgd(float(d.outer_lr), momentum=float(d.outer_momentum) or None,
+                                  nesterov=bool(d.nesterov) and float(d.outer_momentum) > 0)
+
+    # --- the batch ------------------------------------------------------------------------------------
+
+    def batch_spec(self, key: str) -> P:
+        return _with_replica(self.inner.batch_spec(key))
+
+    def rows_sharding(self) -> NamedSharding:
+        s = self.inner.rows_sharding()
+        return NamedSharding(s.mesh, _with_replica(s.spec))
+
+    def per_replica(self, batch):
+        """[B, ...] arrays -> [R, B/R, ...]: replica r's rows (the r-th block of the rows)."""
+        r = self.replicas
+        return jax.tree.map(lambda x: x.reshape(r, x.shape[0] // r, *x.shape[1:]), batch)
+
+    # --- the loss -------------------------------------------------------------------------------------
+
+    def sum(self, params, batch):
+        """The global parameters' loss sum over the global batch (eval): each replica's rows on its own
+        devices, the R sums added."""
+        def one(b):
+            return self.inner.sum(params, b)
+        return jnp.sum(jax.vmap(one, spmd_axis_name=REPLICA)(self.per_replica(batch)))
+
+    def sum_and_grads(self, params, batch):
+        """The synchronous gradient of the global parameters (tools; training uses `replica_grads`)."""
+        return self.inner.sum_and_grads(params, batch)
+
+    def eval_sums(self, params, batch):
+        def one(b):
+            return self.inner.eval_sums(params, b)
+        return jnp.sum(jax.vmap(one, spmd_axis_name=REPLICA)(self.per_replica(batch)), axis=0)
+
+    def replica_terms(self, stacked, batch):
+        """([R] loss sums, aux sums [R, ...]) of each replica's parameters on its own rows of `batch`."""
+        plan = self.plan
+        if self.manual:
+            def per_rank(p, b):
+                return model_lib.loss_terms(nnx.merge(plan.graphdef, p), b, plan.remat, plan.parallelism)
+            return shard_loss(per_rank, plan.parallelism, self.mesh, plan.logical, replicas=True)(stacked, batch)
+        return jax.vmap(self.inner.terms, spmd_axis_name=REPLICA)(stacked, self.per_replica(batch))
+
+    def replica_grads(self, stacked, batch):
+        """([R] mean losses, gradients [R, ...] fp32, aux [R, ...]): each replica's loss (aux losses
+        included) over its own rows' weight total, in `train.microbatches` pieces as `loss_grads_aux`."""
+        totals = jnp.maximum(jnp.sum(self.per_replica(batch)["weights"], axis=(1, 2)), 1.0)  # (R,)
+
+        def objective(p, b):
+            lm, aux = self.replica_terms(p, b)
+            losses = lm + jax.vmap(model_lib.aux_loss)(aux) if aux else lm
+            return jnp.sum(losses / totals), (losses / totals, aux)
+
+        def grads_of(b):
+            (_, (losses, aux)), grads = jax.value_and_grad(objective, has_aux=True)(stacked, b)
+            return losses, jax.tree.map(lambda g: g.astype(jnp.float32), grads), jax.lax.stop_gradient(aux)
+
+        m = int(self.plan.config.train.microbatches)
+        if m == 1:
+            return grads_of(batch)
+
+        def body(carry, mb):
+            return jax.tree.map(jnp.add, carry, grads_of(mb)), None
+        mbs = self.split_microbatches(batch, m)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                             jax.eval_shape(grads_of, jax.tree.map(lambda a: a[0], mbs)))
+        out, _ = jax.lax.scan(body, zeros, mbs)
+        return out
+
+    # --- the step and its state -----------------------------------------------------------------------
+
+    def abstract_extra(self) -> dict:
+        params = self.plan.abstract_params
+        return {"diloco": jax.eval_shape(self._init_diloco, params)}
+
+    def _stack(self, tree):
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.replicas, *a.shape)), tree)
+
+    def _init_diloco(self, params):
+        out = {"params": self._stack(params), "outer": self.outer_tx.init(params)}
+        if self.feedback:
+            out["error"] = self._stack(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        return out
+
+    def init_extra(self, params) -> dict:
+        return {"diloco": self._init_diloco(params)}
+
+    def extra_shardings(self, param_shardings) -> dict:
+        abstract = self.abstract_extra()["diloco"]
+        out = {"params": jax.tree.map(_stacked, param_shardings),
+               "outer": sharding.opt_state_shardings(abstract["outer"], param_shardings, self.mesh)}
+        if self.feedback:
+            out["error"] = jax.tree.map(_stacked, param_shardings)
+        return {"diloco": out}
+
+    def init_opt_state(self, tx, params):
+        return self._stack(tx.init(params))
+
+    def opt_state_shardings(self, shardings):
+        return jax.tree.map(_stacked, shardings)
+
+    def train_step(self, update, state, batch):
+        """One inner step on every replica, then the outer sync on every `sync_every`-th step (a `lax.cond`:
+        the other steps run no collective over `replica`)."""
+        state, metrics = self.inner_step(update, state, batch)
+        glob, inner, metrics["path"] = jax.lax.cond(state["step"] % self.every == 0, self.sync, self.no_sync,
+                                                    state["params"], state["diloco"])
+        return {**state, "params": glob, "diloco": inner}, metrics
+
+    def inner_step(self, update, state, batch):
+        """Every replica's step on its own rows with its own inner optimizer: (state, metrics [R] per
+        replica). The global parameters stay as they are."""
+        d = state["diloco"]
+        losses, grads, aux = self.replica_grads(d["params"], batch)
+
+        def inner_update(params, opt_state, loss, g, aux, rows):
+            new, metrics = update({"step": state["step"], "params": params, "opt_state": opt_state}, rows, loss, g,
+                                  aux)
+            return new["params"], new["opt_state"], metrics
+        params, opt_state, metrics = jax.vmap(inner_update, spmd_axis_name=REPLICA)(
+            d["params"], state["opt_state"], losses, grads, aux, self.per_replica(batch))
+        return {"step": state["step"] + 1, "params": state["params"], "opt_state": opt_state,
+                "diloco": {**d, "params": params}}, metrics
+
+    # --- the outer step -------------------------------------------------------------------------------
+
+    def mean_pseudo_grad(self, glob, stacked, error):
+        """(mean over replicas of the pseudo-gradients as they arrive, the new rounding errors [R, ...] or
+        None, the mean over replicas of their squared norms). `glob` the global parameters, `stacked` the
+        replicas' [R, ...], `error` [R, ...] or None. One `shard_map` holds the exchange, so what travels is
+        explicit: a psum in fp32 or bf16, or an all-gather of int8."""
+        def per_replica(glob, stacked, error):
+            delta = jax.tree.map(lambda g, p: g.astype(jnp.float32) - p[0].astype(jnp.float32), glob, stacked)
+            if error is not None:
+                delta = jax.tree.map(lambda d, e: d + e[0], delta, error)
+            square = jax.lax.pmean(sum(jax.lax.psum(jnp.sum(jnp.square(x)), axes) if axes else jnp.sum(jnp.square(x))
+                                       for x, axes in zip(jax.tree.leaves(delta), shard_axes)), REPLICA)
+            if self.dtype == "float32":
+                return jax.tree.map(lambda x: jax.lax.pmean(x, REPLICA), delta), None, square
+            if self.dtype == "bfloat16":
+                sent = jax.tree.map(lambda x: x.astype(jnp.bfloat16), delta)
+                wire = reduction_dtype(jnp.bfloat16, self.plan.platform)  # XLA:CPU: fp32 (its bf16 sums abort)
+                mean = jax.tree.map(lambda q: jax.lax.psum(q.astype(wire), REPLICA).astype(jnp.float32)
+                                    / self.replicas, sent)
+                arrived = jax.tree.map(lambda q: q.astype(jnp.float32), sent)
+            else:
+                others = tuple(a for a in self.mesh.axis_names if a != REPLICA)  # a whole tensor's max
+                scales = jax.tree.map(lambda x: jnp.maximum(jax.lax.pmax(jnp.max(jnp.abs(x)), others), 1e-30) / 127.0,
+                                      delta)
+                sent = jax.tree.map(lambda x, c: jnp.round(x / c).astype(jnp.int8), delta, scales)
+                arrived = jax.tree.map(lambda q, c: q.astype(jnp.float32) * c, sent, scales)
+                # An all-reduce cannot sum int8 without overflow: every replica receives every replica's
+                # int8 values and scale (all-gathers), and sums in fp32.
+                gathered = jax.tree.map(lambda q: jax.lax.all_gather(q, REPLICA), sent)
+                all_scales = jax.tree.map(lambda c: jax.lax.all_gather(c, REPLICA), scales)
+                mean = jax.tree.map(lambda q, c: jnp.einsum("r...,r->...", q.astype(jnp.float32), c) / self.replicas,
+                                    gathered, all_scales)
+            new_error = None
+            if error is not None:
+                new_error = jax.tree.map(lambda d, a: (d - a)[None], delta, arrived)
+            return mean, new_error, square
+
+        specs = self.param_specs
+        shard_axes = [tuple(a for e in s for a in sharding.spec_axes(e)) for s in jax.tree.leaves(specs)]
+        stacked_spec = jax.tree.map(lambda s: P(REPLICA, *s), specs)
+        error_spec = None if error is None else stacked_spec
+        # Manual over every axis, each leaf in its own sharding: what travels over `replica` is this
+        # device's shard of each tensor, nothing else. check_vma off: the int8 mean is computed on every
+        # replica from the same all-gathered values (the type system counts an all-gather's result as
+        # varying); nothing here is differentiated.
+        region = jax.shard_map(per_replica, mesh=self.mesh, in_specs=(specs, stacked_spec, error_spec),
+                               out_specs=(specs, error_spec, P()), axis_names=set(self.mesh.axis_names),
+                               check_vma=False)
+        return region(glob, stacked, error)
+
+    def sync(self, glob, inner):
+        """The outer step: (global parameters, replica state, metrics)."""
+        mean, error, square = self.mean_pseudo_grad(glob, inner["params"], inner.get("error"))
+        updates, outer = self.outer_tx.update(mean, inner["outer"], glob)
+        new = jax.tree.map(lambda g, u: (g.astype(jnp.float32) + u).astype(g.dtype), glob, updates)
+        out = {**inner, "params": self._stack(new), "outer": outer}
+        if error is not None:
+            out["error"] = error
+        norm = optax.tree.norm(mean)
+        # The replicas' spread around their mean: mean_r |delta_r|^2 - |mean delta|^2 (no second exchange).
+        divergence = jnp.sqrt(jnp.maximum(square - norm ** 2, 0.0))
+        return new, out, self._per_replica({"outer_pseudo_grad_norm": norm, "outer_divergence": divergence})
+
+    def no_sync(self, glob, inner):
+        nan = jnp.full((), jnp.nan, jnp.float32)  # logged only on the steps that sync
+        return glob, inner, self._per_replica({"outer_pseudo_grad_norm": nan, "outer_divergence": nan})
+
+    def _per_replica(self, metrics):
+        return jax.tree.map(lambda m: jnp.broadcast_to(m, (self.replicas,)), metrics)
+
+    # --- metrics --------------------------------------------------------------------------------------
+
+    def metrics_sharding(self) -> NamedSharding:
+        """Each metric is [R], one value per replica on its own devices: averaging them on the devices would
+        be a collective over `replica` at every step; the host averages them (`host_metrics`)."""
+        return NamedSharding(self.mesh, P(REPLICA))
+
+    def host_metrics(self, metrics: dict) -> dict:
+        """Means over the replicas (`all` of the flags)."""
+        return jax.tree.map(lambda m: np.all(m) if m.dtype == bool else np.mean(m), metrics)
+
+    # --- resuming -------------------------------------------------------------------------------------
+
+    @classmethod
+    def check_resume(cls, saved: dict, now: dict) -> None:
+        """A DiLoCo checkpoint holds each replica's state: it resumes with the same replica count, and with
+        rounding errors iff it was saved with them."""
+        was, r = int(saved.get("mesh.replica", 1)), int(now.get("mesh.replica", 1))
+        if was != r:
+            if was > 1:
+                raise ConfigError(f"config.mesh.replica={r}: the checkpoint in this workdir holds {was} DiLoCo "
+                                  f"replicas' states; resume with mesh.replica={was} (its global parameters alone "
+                                  f"load with parallax.sample.load_workdir, e.g. launch/hf_export.py)")
+            raise ConfigError(f"config.mesh.replica={r}: the checkpoint in this workdir is of a run without DiLoCo "
+                              f"replicas; resume with mesh.replica=1, or start a new workdir")
+        if r > 1:
+            for key in ("diloco.pseudo_grad_dtype", "diloco.error_feedback"):
+                if key in now and saved.get(key, now[key]) != now[key]:
+                    raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was saved with "
+                                      f"{key}={saved[key]!r} (its state holds the rounding errors or not); resume "
+                                      f"with {key}={saved[key]!r}")

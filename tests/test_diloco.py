@@ -1,0 +1,228 @@
+"""DiLoCo (`mesh.replica > 1`, parallax/paths/diloco.py): exactness against data parallelism and against a
+reference loop written here, the communication of the inner and outer steps counted in the compiled HLO,
+and the run around it (eval, checkpoints, bf16, config errors)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import max_leaf_rel_err, tiny_config
+from parallax.errors import ConfigError
+from parallax.plan import make_plan
+from parallax.train import make_dataset
+from parallax.trainer import Trainer
+
+STEPS = 5
+
+
+def _diloco(config, replica=2, every=1, lr=1.0, momentum=0.0, dtype="float32", **mesh):
+    for axis in config.mesh:
+        config.mesh[axis] = {"replica": replica, **mesh}.get(axis, 1)
+    config.diloco.update(sync_every=every, outer_lr=lr, outer_momentum=momentum, pseudo_grad_dtype=dtype)
+    return config
+
+
+def _sgd(config):
+    """A linear inner optimizer (plain SGD, no clipping): the mean of R steps is one step on the mean gradient."""
+    config.optim.update(name="sgd", clip_norm=0.0, lr=0.5, warmup_steps=0, schedule="constant")
+    return config
+
+
+def _batch(data, step):
+    """The dataset's batch with every token weighted 1: each replica's rows then carry the same weight
+    total, so the replicas' equally weighted mean is the global batch's token mean (data parallelism's)."""
+    batch = data.batch(step)
+    return {**batch, "weights": np.ones_like(batch["weights"])}
+
+
+def _run(config, devices, steps=STEPS):
+    """(the step losses, the final global parameters) of `steps` steps of `config` on `devices`."""
+    trainer = Trainer(config, devices=devices)
+    data = make_dataset(config)
+    state, losses = trainer.init_state(), []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.device_batch(_batch(data, step)))
+        losses.append(float(trainer.path.host_metrics(jax.device_get(metrics))["loss"]))
+    return losses, jax.device_get(state["params"])
+
+
+@pytest.fixture(scope="module")
+def data_parallel_sgd():
+    """The reference: plain SGD on the whole batch, one device."""
+    return _run(_sgd(tiny_config()), jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def moe_data_parallel_sgd():
+    return _run(_sgd(tiny_config("moe")), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("model,mesh", [("llama", dict(data=4)), ("llama", dict(fsdp=2, tensor=2)),
+                                        ("moe", dict(expert=2, data=2))],
+                         ids=["data=4", "fsdp=2,tensor=2", "moe-expert=2,data=2"])
+def test_averaging_every_step_equals_data_parallel_training(model, mesh, request):
+    """H=1, outer SGD lr 1, momentum 0, fp32: the global parameters are the mean of the replicas' after
+    each step, which for a linear inner optimizer is the data-parallel step on the global batch."""
+    losses, params = _run(_diloco(_sgd(tiny_config(model)), **mesh), jax.devices())
+    ref_losses, ref_params = request.getfixturevalue("data_parallel_sgd" if model == "llama" else "moe_data_parallel_sgd")
+    err, where = max_leaf_rel_err(params, ref_params)
+    print(f"worst parameter {where} {err:.2e}")
+    assert err <= 1e-5, f"parameter {where} differs by {err:.2e}"
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def _crossing(traffic, replica_size):
+    """The collectives of `traffic` (`parallax.hlo.collective_traffic`) whose groups join devices of two
+    replicas (the replica axis is the outermost: device i is in replica i // replica_size)."""
+    return [c for c in traffic if any(len({d // replica_size for d in g}) > 1 for g in c["groups"])]
+
+
+@pytest.fixture(scope="module")
+def sync_trainers():
+    """A DiLoCo trainer per pseudo-gradient dtype (replica 2 x data 2 x tensor 2), with its state and a batch."""
+    out = {}
+    for dtype in ("float32", "bfloat16", "int8"):
+        trainer = Trainer(_diloco(tiny_config(), dtype=dtype, data=2, tensor=2), devices=jax.devices())
+        out[dtype] = trainer
+    return out
+
+
+def test_inner_step_never_communicates_across_replicas(sync_trainers):
+    from parallax.hlo import collective_traffic
+
+    trainer = sync_trainers["float32"]
+    state = trainer.abstract_state()
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_shardings[k])
+             for k, v in make_dataset(trainer.config).batch(0).items()}
+    inner = jax.jit(lambda s, b: trainer.path.inner_step(trainer.update, s, b),
+                    out_shardings=(trainer.state_shardings, trainer.path.metrics_sharding()))
+    traffic = collective_traffic(inner.lower(state, batch).compile().as_text(), 8)
+    assert traffic, "the inner step has the tensor / data collectives of a replica"
+    assert [(c["op"], c["arrays"]) for c in _crossing(traffic, 4)] == []
+    # the whole step holds the sync in a conditional branch: its crossing collectives are the sync's
+    whole = collective_traffic(trainer.train_step.lower(state, batch).compile().as_text(), 8)
+    assert _crossing(whole, 4)
+
+
+def test_outer_sync_moves_each_parameter_once_in_its_dtype(sync_trainers):
+    """fp32: one all-reduce of the parameters' bytes; bf16 half of them; int8 an all-gather of a quarter
+    (and a scale per tensor). Bytes one device sends over `replica`, against a ring all-reduce in fp32."""
+    from parallax.hlo import collective_traffic
+
+    sent = {}
+    for dtype, trainer in sync_trainers.items():
+        state = trainer.abstract_state()
+        lowered = jax.jit(trainer.path.sync).lower(state["params"], state["diloco"])
+        crossing = _crossing(collective_traffic(lowered.compile().as_text(), 8), 4)
+        sent[dtype] = sum(c["sent"] for c in crossing)
+        print(dtype, [(c["op"], c["arrays"][:2]) for c in crossing])
+    # XLA:CPU sums bf16 in fp32 (and its promotion pass aborts on some bf16 sums), so on CPU the bf16
+    # pseudo-gradients travel in fp32; a plan for a TPU sends bf16 (its lowered program: the sums' dtype).
+    tpu = Trainer(make_plan(sync_trainers["bfloat16"].config, 8, "tpu"), devices=jax.devices())
+    state = tpu.abstract_state()
+    text = jax.jit(tpu.path.sync).lower(state["params"], state["diloco"]).as_text()
+    sums = re.findall(r"stablehlo\.all_reduce.*?\n\s*\}\)\s*.*?:\s*\((tensor<[^)]*)\)", text, re.S)
+    assert len(sums) >= len(jax.tree.leaves(state["params"])), sums
+    assert sum("bf16" in s for s in sums) == len(jax.tree.leaves(state["params"])), sums
+    sent["bfloat16"] /= 2
+    params = trainer.abstract_state()["params"]
+    local = sum(np.prod(s.shard_shape(a.shape)) for a, s in zip(jax.tree.leaves(params),
+                                                                jax.tree.leaves(trainer.param_shardings)))
+    fp32_ring = 2 * (2 - 1) / 2 * 4 * local  # a ring all-reduce over 2 replicas of fp32 parameters
+    print({k: v / fp32_ring for k, v in sent.items()})
+    assert fp32_ring <= sent["float32"] <= fp32_ring * 1.01
+    assert fp32_ring / 2 <= sent["bfloat16"] <= fp32_ring / 2 * 1.01
+    assert fp32_ring / 4 <= sent["int8"] <= fp32_ring / 4 * 1.05
+
+
+def test_nesterov_every_four_steps_matches_a_reference_loop():
+    """H=4, outer Nesterov SGD (lr 0.7, momentum 0.9), AdamW inside, 6 steps (a sync, then half an inner
+    phase): the global parameters equal a loop written here, with one single-device run per replica on its
+    own rows and the outer step in numpy."""
+    steps, every, lr, mu = 6, 4, 0.7, 0.9
+    config = _diloco(tiny_config(), every=every, lr=lr, momentum=mu, data=2, tensor=2)
+    trainer = Trainer(config, devices=jax.devices())
+    data = make_dataset(config)
+    state = trainer.init_state()
+    for step in range(steps):
+        state, _ = trainer.train_step(state, trainer.device_batch(_batch(data, step)))
+    got = jax.device_get(state)
+
+    half = tiny_config()
+    half.train.global_batch_size //= 2
+    ref = Trainer(half, devices=jax.devices()[:1])
+    init = jax.device_get(ref.init_state())
+    glob = init["params"]
+    replicas = [jax.device_get(ref.init_state()) for _ in range(2)]
+    momentum = jax.tree.map(np.zeros_like, glob)
+    for step in range(steps):
+        batch = _batch(data, step)
+        for r in range(2):
+            rows = {k: v[r * 8:(r + 1) * 8] for k, v in batch.items()}
+            replicas[r], _ = ref.train_step(replicas[r], ref.device_batch(rows))
+            replicas[r] = jax.device_get(replicas[r])
+        if (step + 1) % every == 0:
+            delta = jax.tree.map(lambda g, a, b: g - (a + b) / 2, glob, replicas[0]["params"], replicas[1]["params"])
+            momentum = jax.tree.map(lambda m, d: mu * m + d, momentum, delta)
+            glob = jax.tree.map(lambda g, m, d: g - lr * (d + mu * m), glob, momentum, delta)
+            for r in range(2):
+                replicas[r] = {**replicas[r], "params": glob}
+    err, where = max_leaf_rel_err(got["params"], glob)
+    print(f"global parameters: worst {where} {err:.2e}")
+    assert err <= 1e-5, f"global parameter {where} differs by {err:.2e}"
+    for r in range(2):  # the replicas two steps into the next phase, each from its own inner state
+        mine = jax.tree.map(lambda a: a[r], got["diloco"]["params"])
+        err, where = max_leaf_rel_err(mine, replicas[r]["params"])
+        assert err <= 1e-5, f"replica {r}'s parameter {where} differs by {err:.2e}"
+
+
+def test_a_diloco_run_evaluates_checkpoints_and_resumes_exactly_mid_phase(tmp_path):
+    """bf16, int8 pseudo-gradients with error feedback, H=3: 4 steps, then a rerun to 5 (the checkpoint at
+    step 4 is one step into an inner phase) ends where an uninterrupted run of 5 steps ends; eval runs on
+    the global parameters, and the outer metrics are logged on the sync step."""
+    from helpers import read_metrics
+    from parallax.train import train_and_evaluate
+
+    def config(steps):
+        c = _diloco(tiny_config(), every=3, lr=0.7, momentum=0.9, dtype="int8", fsdp=2, data=2)
+        c.model.dtype = "bfloat16"
+        c.train.update(steps=steps, eval_every=4, checkpoint_every=4, log_every=1)
+        c.optim.decay_steps = 5
+        return c
+    quiet = dict(log=lambda *_: None)
+    first = train_and_evaluate(config(4), str(tmp_path / "resumed"), **quiet)
+    second = train_and_evaluate(config(5), str(tmp_path / "resumed"), **quiet)
+    straight = train_and_evaluate(config(5), str(tmp_path / "straight"), **quiet)
+    assert [r["step"] for r in second.history] == [5]
+    assert np.isfinite(first.eval_loss) and 0 < first.eval_loss < 10
+    for a, b in zip(jax.tree.leaves(jax.device_get(second.state)), jax.tree.leaves(jax.device_get(straight.state))):
+        np.testing.assert_array_equal(a, b)
+    records = read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in records if "outer_pseudo_grad_norm" in r] == [3]
+    assert all(r["outer_pseudo_grad_norm"] > 0 and r["outer_divergence"] >= 0 for r in records if "outer_divergence" in r)
+
+
+def test_diloco_config_errors_name_the_fix(tmp_path):
+    from parallax.train import train_and_evaluate
+
+    with pytest.raises(ConfigError, match="DiLoCo does not run pipelines yet"):
+        make_plan(_diloco(tiny_config(), pipe=2, data=2), 8)
+    with pytest.raises(ConfigError, match="sync_every=0"):
+        make_plan(_diloco(tiny_config(), every=0, data=4), 8)
+    with pytest.raises(ConfigError, match="pseudo_grad_dtype='fp8'"):
+        make_plan(_diloco(tiny_config(), dtype="fp8", data=4), 8)
+    bad = tiny_config(data=8)
+    bad.sharding.rules.embed = "replica"
+    with pytest.raises(ConfigError, match="no rule may name the 'replica' axis"):
+        make_plan(bad, 8)
+    # a DiLoCo checkpoint resumed without replicas: one line naming what to do
+    run = _diloco(tiny_config(), data=4)
+    run.train.update(steps=1, eval_every=0, checkpoint_every=1)
+    train_and_evaluate(run, str(tmp_path), log=lambda *_: None)
+    plain = tiny_config(data=8)
+    plain.train.update(steps=2, eval_every=0)
+    with pytest.raises(ConfigError, match="holds 2 DiLoCo replicas' states; resume with mesh.replica=2"):
+        train_and_evaluate(plain, str(tmp_path), log=lambda *_: None)
