@@ -126,9 +126,21 @@ def _grouped_swiglu(xs, sizes, ws, gather, chunks: int, mm):
 
     def step(acc, w_slice):
         return acc + part(w_slice), None
-    # The first slice starts the sum: its type (varying axes inside a shard_map) is the carry's.
-    acc, _ = jax.lax.scan(step, part(jax.tree.map(lambda a: a[0], slices)), jax.tree.map(lambda a: a[1:], slices))
+    # Every slice inside the loop, the sum starting from zeros typed as a slice's output (varying over the
+    # axes xs, sizes and the weights vary over inside a shard_map): a first slice computed before the loop
+    # kept its own gathered weights and [M, F] intermediates live beside the loop's, forward and backward.
+    acc, _ = jax.lax.scan(step, _zeros_varying_like(xs.shape, jnp.float32, xs, sizes, *ws), slices)
     return acc.astype(xs.dtype)
+
+
+def _zeros_varying_like(shape, dtype, *operands):
+    """Zeros of `shape`, varying (inside a `shard_map`) over every manual axis one of `operands` varies
+    over: the type of a value computed from them."""
+    axes = set()
+    for a in operands:
+        axes |= set(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", None) or ())
+    zeros = jnp.zeros(shape, dtype)
+    return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
 
 
 def _per_batch_shard(fn, h, idx, gates, weights, names):
@@ -272,17 +284,18 @@ class MoEBlocks(llama.Blocks):
             log_once(f"grouped matmuls: {impl} (moe.grouped_impl={moe.grouped_impl}), "
                      f"{moe.ff_chunks} chunk(s) of the expert width")
 
-            def grouped_with(gather, ws):
+            def grouped_with(gather, ws, full=False):  # full: the groups cover every row (no padding rows)
                 def grouped(xs, sizes):  # (M, D) sorted by expert, sizes (E,)
-                    return _grouped_swiglu(xs, sizes, ws, gather, moe.ff_chunks,
-                                           lambda x, w: ep_lib.grouped_matmul(x, w, sizes, impl, par.platform))
+                    return _grouped_swiglu(xs, sizes, ws, gather, moe.ff_chunks, lambda x, w: ep_lib.grouped_matmul(
+                        x, w, sizes, impl, par.platform, full=full))
                 return grouped
             if par.expert > 1:
                 return ep_lib.moe_ragged_ep(h, idx, gates, moe.num_experts, grouped_with(_whole, (wg, wu, wd)),
                                             par.expert, buffer=float(moe.ep_buffer))
             names = [p.logical[1:] for p in (self.we_gate, self.we_up, self.we_down)]  # one layer's
             return _per_batch_shard(lambda gather, h, idx, gates, *ws: ep_lib.moe_ragged(
-                h, idx, gates, moe.num_experts, grouped_with(gather, ws)), h, idx, gates, (wg, wu, wd), names)
+                h, idx, gates, moe.num_experts, grouped_with(gather, ws, full=True)), h, idx, gates, (wg, wu, wd),
+                names)
 
         def experts(xe):  # (E/ep, G, C, D)
             act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, wg)) * jnp.einsum("egcd,edf->egcf", xe, wu)

@@ -426,6 +426,25 @@ def test_megablox_grouped_matmul_equals_ragged_dot_with_padding_rows():
     assert not np.asarray(got[0][580:]).any() and not np.asarray(got[1][580:]).any()
 
 
+def test_megablox_grouped_matmul_without_masks_when_the_groups_cover_every_row():
+    """`grouped_matmul(..., full=True)` (no masks: what `moe_ragged` calls) equals `jax.lax.ragged_dot` when
+    the groups cover every row: an empty group and an m not a multiple of the kernel's tile."""
+    rng = np.random.default_rng(1)
+    xs = jnp.asarray(rng.normal(size=(600, 48)), jnp.float32)  # m tile 512: 424 rows of tile padding
+    w = jnp.asarray(rng.normal(size=(4, 48, 40)), jnp.float32)
+    sizes = jnp.array([150, 0, 310, 140], jnp.int32)  # all 600 rows in groups
+    ct = jnp.asarray(rng.normal(size=(600, 40)), jnp.float32)
+
+    def run(impl, full):
+        def f(xs, w):
+            return ep_lib.grouped_matmul(xs, w, sizes, impl, "cpu", full=full)
+        out, vjp = jax.vjp(f, xs, w)
+        return (out, *vjp(ct))
+    got, want = run("megablox", True), run("ragged_dot", False)
+    for a, b, name in zip(got, want, ("out", "d_xs", "d_w")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_ragged_dispatch_across_expert_ranks_on_cpu_exits_2(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = run_launcher("train", f"--config={ROOT}/configs/moe_tiny.py", f"--workdir={tmp_path}", "--cpu_devices=2",

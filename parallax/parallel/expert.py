@@ -65,7 +65,7 @@ def grouped_impl(impl: str, platform: str | None) -> str:
     return impl
 
 
-def grouped_matmul(xs, w, sizes, impl: str = "ragged_dot", platform: str | None = None):
+def grouped_matmul(xs, w, sizes, impl: str = "ragged_dot", platform: str | None = None, full: bool = False):
     """Rows of xs [M, K] grouped by `sizes` [G] (contiguous, in group order; rows past the sum are padding)
     times their group's w [G, K, N] -> [M, N] in xs's dtype.
 
@@ -74,8 +74,10 @@ def grouped_matmul(xs, w, sizes, impl: str = "ragged_dot", platform: str | None 
     gradient, a transposed gmm for the weights'); off TPU in Pallas interpret mode (the tests' CPU path).
     Its m tile must divide M: the rows are padded to a multiple of it (zeros, past every group) and cut
     off again. The kernel leaves the rows past the groups unwritten, in its output and in its input's
-    gradient, so both are masked to 0 there (a select XLA fuses). Inside a manual region the kernel goes
-    through `compat.kernel_call` (its outputs carry no varying-axes types)."""
+    gradient, so both are masked to 0 there (a select XLA fuses). `full`: the caller guarantees the groups
+    cover every row (sum(sizes) == M, as in `moe_ragged`), so there is nothing to mask; the masks' selects
+    are copies of [M, D] and [M, F] buffers the TPU compiler keeps beside the originals. Inside a manual
+    region the kernel goes through `compat.kernel_call` (its outputs carry no varying-axes types)."""
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(xs, w, sizes)
     if impl != "megablox":
@@ -99,6 +101,8 @@ def grouped_matmul(xs, w, sizes, impl: str = "ragged_dot", platform: str | None 
         return ops.gmm(xs, w, sizes, xs.dtype, tiles, None, None, False, interpret)[:m]
 
     sizes = sizes.astype(jnp.int32)
+    if full:
+        return compat.kernel_call(gmm, xs, w, sizes)
     valid = (jnp.arange(m) < jnp.sum(sizes))[:, None]
     out = compat.kernel_call(gmm, jnp.where(valid, xs, jnp.zeros((), xs.dtype)), w, sizes)
     return jnp.where(valid, out, jnp.zeros((), out.dtype))
