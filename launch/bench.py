@@ -6,6 +6,7 @@
     python launch/bench.py --part=device --cpu_devices=0 [--steps=30]  # on a GPU / TPU machine: tokens/s/chip, MFU
     python launch/bench.py --part=device --smoke                       # the same script, tiny, on CPU (a test)
     python launch/bench.py --part=generate --cpu_devices=1             # decode tokens/s, KV cache vs none
+    python launch/bench.py --part=diloco --cpu_devices=4 --steps=800   # DiLoCo vs data parallel: eval loss
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
 the memory figures are XLA's own (`compiled.memory_analysis()`, per device); the Muon figures are XLA's
@@ -20,12 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
-flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "device", "generate"],
+flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "device", "generate", "diloco"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
-flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step).")
+flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: training steps.")
 FLAGS = flags.FLAGS
 
 
@@ -434,6 +435,43 @@ def bench_generate():
         print(f"| {new} | {cached:,.0f} | {window:,.1f} | {cached / window:,.0f}x |", flush=True)
 
 
+DILOCO_RUNS = (  # (label, mesh, diloco settings); the quickstart model and corpus, 4 devices
+    ("data parallel (data=4)", dict(data=4), {}),
+    ("DiLoCo R=4, H=10, fp32", dict(replica=4, data=1), dict(sync_every=10)),
+    ("DiLoCo R=4, H=10, int8", dict(replica=4, data=1), dict(sync_every=10, pseudo_grad_dtype="int8")),
+    ("DiLoCo R=4, H=50, fp32", dict(replica=4, data=1), dict(sync_every=50)),
+    ("DiLoCo R=4, H=50, int8", dict(replica=4, data=1), dict(sync_every=50, pseudo_grad_dtype="int8")),
+    ("Streaming R=4, H=50, F=4, overlap 1, fp32", dict(replica=4, data=1),
+     dict(sync_every=50, fragments=4, overlap=1)),
+)
+
+
+def bench_diloco(steps: int):
+    """DiLoCo against data parallelism at equal tokens: configs/quickstart.py (byte-level Llama on the stdlib
+    corpus, 16 rows x 128 tokens a step) for `steps` steps on 4 devices, each run's final eval loss and the
+    bytes one device sends over the replicas' link per step (the compiled sync's, over H)."""
+    import tempfile
+    import time
+
+    from parallax.defaults import load_config_file
+    from parallax.train import train_and_evaluate
+
+    print(f"| run ({steps} steps, 16 x 128 tokens a step) | final eval loss | last train loss | time |\n|---|---|---|---|",
+          flush=True)
+    for label, mesh, diloco in DILOCO_RUNS:
+        config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                               "quickstart.py"))
+        for axis in config.mesh:
+            config.mesh[axis] = mesh.get(axis, 1)
+        config.diloco.update(diloco)
+        config.train.update(steps=steps, eval_every=steps, checkpoint_every=0, log_every=steps, eval_batches=8)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as workdir:
+            result = train_and_evaluate(config, workdir, log=lambda *_: None)
+        print(f"| {label} | {result.eval_loss:.4f} | {result.history[-1]['loss']:.4f} | "
+              f"{time.perf_counter() - start:.0f} s |", flush=True)
+
+
 def main(_):
     if FLAGS.part == "device" and not FLAGS.cpu_devices:  # the overlap flags a training run would set
         from parallax.mesh import apply_platform_flags, detect_platform
@@ -451,6 +489,9 @@ def main(_):
     logging.set_verbosity(logging.WARNING)
     import jax
 
+    if FLAGS.part == "diloco":
+        bench_diloco(FLAGS.steps)
+        return
     if FLAGS.part not in ("device", "generate"):
         print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices; model: 8 layers, "
               f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")

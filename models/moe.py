@@ -57,6 +57,7 @@ from flax import nnx
 
 from models import llama
 from parallax.errors import ConfigError
+from parallax import compat
 from parallax import model as model_lib
 from parallax import sharding as sharding_lib
 from parallax.model import DENSE, Model, Parallelism, apply_blocks, attention_flops_per_token, param_flops_per_token
@@ -136,9 +137,7 @@ def _grouped_swiglu(xs, sizes, ws, gather, chunks: int, mm):
 def _zeros_varying_like(shape, dtype, *operands):
     """Zeros of `shape`, varying (inside a `shard_map`) over every manual axis one of `operands` varies
     over: the type of a value computed from them."""
-    axes = set()
-    for a in operands:
-        axes |= set(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", None) or ())
+    axes = frozenset().union(*(compat.varying_axes(a) for a in operands))
     zeros = jnp.zeros(shape, dtype)
     return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
 

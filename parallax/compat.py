@@ -54,6 +54,13 @@ def _install_kernel_vma():
     pallas_core._convert_out_shape_to_aval = with_vma
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over inside a `shard_map` (empty outside one): `manual_axis_type`, the
+    type field jax 0.10.2 and 0.12 both keep it in."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", None) or ())
+
+
 def kernel_call(fn, *args):
     """`fn(*args)` for Pallas kernels whose `out_shape`s carry no varying-manual-axes type (splash attention,
     megablox gmm: at jax 0.10.2 and 0.12.0.1 they build `ShapeDtypeStruct(shape, dtype)`), callable inside

@@ -99,6 +99,9 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         nesterov=True,  # Nesterov momentum for the outer optimizer
         pseudo_grad_dtype="float32",  # float32 | bfloat16 | int8: what the pseudo-gradients travel as
         error_feedback=True,  # bfloat16 / int8: add each replica's rounding error to its next pseudo-gradient
+        fragments=1,  # Streaming DiLoCo: the layer stack in this many parts, synced at staggered steps
+        overlap=0,  # 0 | 1: a fragment's exchange runs beside the next inner step and is applied after it
+        mix=0.5,  # overlap=1: a replica's synced fragment becomes mix * its own + (1 - mix) * the new global one
     ))
     c.data = ml_collections.ConfigDict(dict(
         source="synthetic",  # synthetic | text (bytes of files) | tokens (shard directories or one token file)

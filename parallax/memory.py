@@ -68,9 +68,11 @@ class MemoryReport:
     xla_outputs: int
     xla_aliased: int  # outputs written in place of (donated) inputs
     xla_temp: int  # XLA: temporaries (activations, gradients, collectives' buffers, ...)
-    pipeline: int = 0  # analytic: pipeline.schedule=2bw's in-flight state (previous weights, the pending
-    #                    gradient, the batch in flight, activation slots and inbox); 0 for other schedules
+    pipeline: int = 0  # analytic: the step path's own state: pipeline.schedule=2bw's in-flight state (previous
+    #                    weights, the pending gradient, the batch in flight, activation slots and inbox), or
+    #                    DiLoCo's (the replicas' parameters, the outer momentum, rounding errors); 0 for others
     kernel_calls: int = 0  # custom calls of hand-written kernels in the compiled step (Mosaic tpu_custom_call)
+    pipeline_label: str = "2bw in-flight state"  # what `pipeline` counts: the step path's own state (its label)
 
     @property
     def peak(self) -> int:
@@ -85,7 +87,7 @@ class MemoryReport:
         rows = [("parameters (analytic)", self.params), ("optimizer state (analytic)", self.optimizer),
                 ("gradients, fp32 (analytic)", self.gradients), ("batch (analytic)", self.batch)]
         if self.pipeline:
-            rows.append(("2bw in-flight state (analytic)", self.pipeline))
+            rows.append((f"{self.pipeline_label} (analytic)", self.pipeline))
         rows += [("state + batch (analytic)", self.analytic_state), ("XLA arguments", self.xla_arguments),
                 ("XLA outputs", self.xla_outputs), ("XLA aliased (donated)", self.xla_aliased),
                 ("XLA temporaries", self.xla_temp), ("peak = args + outputs + temp - aliased", self.peak)]
@@ -123,7 +125,7 @@ def memory_report(config, devices=None) -> MemoryReport:
         xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
         pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys),
-        kernel_calls=kernel_calls)
+        kernel_calls=kernel_calls, pipeline_label=trainer.path.state_label)
 
 
 def _latest_step(workdir: str):

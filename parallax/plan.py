@@ -242,6 +242,12 @@ def _check_diloco(config, sizes):
     if float(d.outer_lr) <= 0 or not 0 <= float(d.outer_momentum) < 1:
         raise ConfigError(f"config.diloco: outer_lr={d.outer_lr} must be > 0 and outer_momentum={d.outer_momentum} "
                           f"in [0, 1)")
+    if int(d.overlap) not in (0, 1) or not 0 <= float(d.mix) <= 1:
+        raise ConfigError(f"config.diloco: overlap={d.overlap} must be 0 or 1 and mix={d.mix} in [0, 1]")
+    f, layers = int(d.fragments), int(config.model.num_layers)
+    if f < 1 or f > int(d.sync_every) or layers % f:
+        raise ConfigError(f"config.diloco.fragments={d.fragments}: must divide model.num_layers={layers} and be at "
+                          f"most diloco.sync_every={d.sync_every} (one fragment syncs at a time); e.g. 1")
     if r > 1 and sizes["pipe"] > 1:
         raise ConfigError(f"config.mesh.replica={r} with mesh.pipe={sizes['pipe']}: DiLoCo does not run pipelines "
                           f"yet; set mesh.pipe=1 (data, fsdp, tensor, seq and expert work inside each replica)")

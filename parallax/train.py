@@ -384,7 +384,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         state, metrics = trainer.train_step(state, batch)  # dispatched asynchronously
         step += 1
         batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
-        metrics = trainer.path.host_metrics(jax.device_get(metrics))  # the next batch was built meanwhile
+        metrics = trainer.path.fetch_metrics(metrics)  # the next batch was built while the device ran this step
         if profiler is not None:
             profiler.after(step)
         now = time.perf_counter()

@@ -45,7 +45,7 @@ def _run(config, devices, steps=STEPS):
     state, losses = trainer.init_state(), []
     for step in range(steps):
         state, metrics = trainer.train_step(state, trainer.device_batch(_batch(data, step)))
-        losses.append(float(trainer.path.host_metrics(jax.device_get(metrics))["loss"]))
+        losses.append(float(trainer.path.fetch_metrics(metrics)["loss"]))
     return losses, jax.device_get(state["params"])
 
 
@@ -115,7 +115,7 @@ def test_outer_sync_moves_each_parameter_once_in_its_dtype(sync_trainers):
     sent = {}
     for dtype, trainer in sync_trainers.items():
         state = trainer.abstract_state()
-        lowered = jax.jit(trainer.path.sync).lower(state["params"], state["diloco"])
+        lowered = jax.jit(trainer.path.sync).lower(state["params"], state["diloco"], state["diloco"]["params"])
         crossing = _crossing(collective_traffic(lowered.compile().as_text(), 8), 4)
         sent[dtype] = sum(c["sent"] for c in crossing)
         print(dtype, [(c["op"], c["arrays"][:2]) for c in crossing])
@@ -123,7 +123,7 @@ def test_outer_sync_moves_each_parameter_once_in_its_dtype(sync_trainers):
     # pseudo-gradients travel in fp32; a plan for a TPU sends bf16 (its lowered program: the sums' dtype).
     tpu = Trainer(make_plan(sync_trainers["bfloat16"].config, 8, "tpu"), devices=jax.devices())
     state = tpu.abstract_state()
-    text = jax.jit(tpu.path.sync).lower(state["params"], state["diloco"]).as_text()
+    text = jax.jit(tpu.path.sync).lower(state["params"], state["diloco"], state["diloco"]["params"]).as_text()
     sums = re.findall(r"stablehlo\.all_reduce.*?\n\s*\}\)\s*.*?:\s*\((tensor<[^)]*)\)", text, re.S)
     assert len(sums) >= len(jax.tree.leaves(state["params"])), sums
     assert sum("bf16" in s for s in sums) == len(jax.tree.leaves(state["params"])), sums
@@ -133,17 +133,53 @@ def test_outer_sync_moves_each_parameter_once_in_its_dtype(sync_trainers):
                                                                 jax.tree.leaves(trainer.param_shardings)))
     fp32_ring = 2 * (2 - 1) / 2 * 4 * local  # a ring all-reduce over 2 replicas of fp32 parameters
     print({k: v / fp32_ring for k, v in sent.items()})
+    # Streaming, 2 fragments: each sync moves its own fragment alone; together, the parameters once.
+    config = _diloco(tiny_config(), every=2, data=2, tensor=2)
+    config.diloco.fragments = 2
+    streaming = Trainer(config, devices=jax.devices())
+    state = streaming.abstract_state()
+    parts = []
+    for f in range(2):
+        sync = jax.jit(lambda g, d, x, f=f: streaming.path.sync(g, d, x, f))
+        text = sync.lower(state["params"], state["diloco"], state["diloco"]["params"]).compile().as_text()
+        parts.append(sum(c["sent"] for c in _crossing(collective_traffic(text, 8), 4)))
+    print("fragments", [p / fp32_ring for p in parts])
+    assert all(0 < p < fp32_ring for p in parts)
+    assert fp32_ring <= sum(parts) <= fp32_ring * 1.01
     assert fp32_ring <= sent["float32"] <= fp32_ring * 1.01
     assert fp32_ring / 2 <= sent["bfloat16"] <= fp32_ring / 2 * 1.01
     assert fp32_ring / 4 <= sent["int8"] <= fp32_ring / 4 * 1.05
 
 
-def test_nesterov_every_four_steps_matches_a_reference_loop():
-    """H=4, outer Nesterov SGD (lr 0.7, momentum 0.9), AdamW inside, 6 steps (a sync, then half an inner
-    phase): the global parameters equal a loop written here, with one single-device run per replica on its
-    own rows and the outer step in numpy."""
-    steps, every, lr, mu = 6, 4, 0.7, 0.9
+def _fragment(tree, f, fragments, layers=2):
+    """Fragment f of a params tree (numpy): its layers of `blocks`, and for f = 0 everything else."""
+    lo, hi = f * layers // fragments, (f + 1) * layers // fragments
+    return {k: (jax.tree.map(lambda x: x[lo:hi], v) if k == "blocks" else v) for k, v in tree.items()
+            if k == "blocks" or f == 0}
+
+
+def _set_fragment(tree, part, f, fragments, layers=2):
+    lo = f * layers // fragments
+    out = {}
+    for k, v in tree.items():
+        if k == "blocks":
+            out[k] = jax.tree.map(lambda x, y: np.concatenate([x[:lo], y, x[lo + y.shape[0]:]]), v, part[k])
+        else:
+            out[k] = part[k] if k in part else v
+    return out
+
+
+@pytest.mark.parametrize("fragments,overlap", [(1, 0), (2, 0), (2, 1)],
+                         ids=["nesterov", "streaming", "streaming-overlap"])
+def test_outer_steps_match_a_reference_loop(fragments, overlap):
+    """H=4, outer Nesterov SGD (lr 0.7, momentum 0.9), AdamW inside, 7 steps (syncs, then part of an inner
+    phase): the global parameters and each replica's equal a loop written here, with one single-device run
+    per replica on its own rows and the outer steps in numpy. Streaming: 2 fragments (a layer each, the
+    embedding and head with the first) at steps 0 and 2 (mod 4); with overlap the exchange of the
+    parameters after step t is applied after step t+1 and mixed half and half into the replicas'."""
+    steps, every, lr, mu, mix = 7, 4, 0.7, 0.9, 0.5
     config = _diloco(tiny_config(), every=every, lr=lr, momentum=mu, data=2, tensor=2)
+    config.diloco.update(fragments=fragments, overlap=overlap, mix=mix)
     trainer = Trainer(config, devices=jax.devices())
     data = make_dataset(config)
     state = trainer.init_state()
@@ -154,26 +190,34 @@ def test_nesterov_every_four_steps_matches_a_reference_loop():
     half = tiny_config()
     half.train.global_batch_size //= 2
     ref = Trainer(half, devices=jax.devices()[:1])
-    init = jax.device_get(ref.init_state())
-    glob = init["params"]
+    glob = jax.device_get(ref.init_state())["params"]
     replicas = [jax.device_get(ref.init_state()) for _ in range(2)]
     momentum = jax.tree.map(np.zeros_like, glob)
+    offsets = [f * every // fragments for f in range(fragments)]
     for step in range(steps):
+        snapshot = [r["params"] for r in replicas]
         batch = _batch(data, step)
         for r in range(2):
             rows = {k: v[r * 8:(r + 1) * 8] for k, v in batch.items()}
-            replicas[r], _ = ref.train_step(replicas[r], ref.device_batch(rows))
-            replicas[r] = jax.device_get(replicas[r])
-        if (step + 1) % every == 0:
-            delta = jax.tree.map(lambda g, a, b: g - (a + b) / 2, glob, replicas[0]["params"], replicas[1]["params"])
-            momentum = jax.tree.map(lambda m, d: mu * m + d, momentum, delta)
-            glob = jax.tree.map(lambda g, m, d: g - lr * (d + mu * m), glob, momentum, delta)
+            replicas[r] = jax.device_get(ref.train_step(replicas[r], ref.device_batch(rows))[0])
+        point = step if overlap else step + 1
+        for f in range(fragments):
+            if point == 0 or (point - offsets[f]) % every:
+                continue
+            sent = snapshot if overlap else [r["params"] for r in replicas]
+            g, m = _fragment(glob, f, fragments), _fragment(momentum, f, fragments)
+            delta = jax.tree.map(lambda g, a, b: g - (a + b) / 2, g, *[_fragment(p, f, fragments) for p in sent])
+            m = jax.tree.map(lambda m, d: mu * m + d, m, delta)
+            g = jax.tree.map(lambda g, m, d: g - lr * (d + mu * m), g, m, delta)
+            glob, momentum = _set_fragment(glob, g, f, fragments), _set_fragment(momentum, m, f, fragments)
             for r in range(2):
-                replicas[r] = {**replicas[r], "params": glob}
+                mine = _fragment(replicas[r]["params"], f, fragments)
+                mine = jax.tree.map(lambda p, x: mix * p + (1 - mix) * x, mine, g) if overlap else g
+                replicas[r] = {**replicas[r], "params": _set_fragment(replicas[r]["params"], mine, f, fragments)}
     err, where = max_leaf_rel_err(got["params"], glob)
     print(f"global parameters: worst {where} {err:.2e}")
     assert err <= 1e-5, f"global parameter {where} differs by {err:.2e}"
-    for r in range(2):  # the replicas two steps into the next phase, each from its own inner state
+    for r in range(2):  # each replica, from its own inner state, mid-phase
         mine = jax.tree.map(lambda a: a[r], got["diloco"]["params"])
         err, where = max_leaf_rel_err(mine, replicas[r]["params"])
         assert err <= 1e-5, f"replica {r}'s parameter {where} differs by {err:.2e}"

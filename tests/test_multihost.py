@@ -108,10 +108,19 @@ ARGS = ["--config=configs/tiny.py", "--cpu_devices=4", "--config.mesh.data=1", "
         "--config.optim.decay_steps=100", "--config.dist.heartbeat_timeout_s=5"]
 
 
+# The mesh beside ARGS' (fsdp 8), and DiLoCo's: two replicas, one per process (the replica axis is the
+# outermost), whose inner steps cross no process; a sync every third step.
+LAYOUTS = {"fsdp8": dict(mesh=dict(fsdp=8), diloco={}),
+           "diloco": dict(mesh=dict(replica=2, fsdp=4), diloco=dict(sync_every=3, pseudo_grad_dtype="int8"))}
+
+
 @pytest.mark.slow
-def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(layout, tmp_path):
+    mesh, diloco = LAYOUTS[layout]["mesh"], LAYOUTS[layout]["diloco"]
     workdir = str(tmp_path / "two")
-    script = [os.path.join(ROOT, "launch/local_cluster.sh"), "2", *ARGS, f"--workdir={workdir}"]
+    script = [os.path.join(ROOT, "launch/local_cluster.sh"), "2", *ARGS, f"--workdir={workdir}",
+              *[f"--config.mesh.{k}={v}" for k, v in mesh.items()], *[f"--config.diloco.{k}={v}" for k, v in diloco.items()]]
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHON": sys.executable}
     cluster = subprocess.Popen(script + ["--config.train.steps=1000"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
@@ -148,7 +157,8 @@ def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(tmp_
     got = _records(workdir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
 
-    config = tiny_config(fsdp=8)
+    config = tiny_config(**mesh)
+    config.diloco.update(diloco)
     config.train.update(steps=STEPS, log_every=1, eval_every=0, checkpoint_every=2)
     config.optim.decay_steps = 100
     single = train_and_evaluate(config, str(tmp_path / "one"), log=lambda *_: None)

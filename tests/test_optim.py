@@ -124,7 +124,7 @@ def test_lr_schedule_edges_no_warmup_a_one_step_decay_and_decay_steps_0():
 
 
 def test_bad_optimizer_settings_are_one_line_errors():
-    for key, value, match in [("name", "sgd", "expected one of adamw, muon"), ("grad_delay", 2, "expected 0 or 1"),
+    for key, value, match in [("name", "lion", "expected one of adamw, muon, sgd"), ("grad_delay", 2, "expected 0 or 1"),
                               ("schedule", "linear", "expected one of cosine, wsd, constant"),
                               ("muon_rms", 0.0, "muon_rms=0.0 > 0"), ("muon_exclude", "vocabs", "'vocabs' is not a"),
                               ("delay_correction", "ef", "expected one of none, error_feedback"),
@@ -144,8 +144,11 @@ def test_optimizer_settings_are_checked_at_their_range_boundaries():
         except ConfigError as e:
             return str(e)
     for ok in [dict(muon_scale="width"), dict(muon_scale="rms"), dict(wsd_decay_fraction=1.0),
-               dict(wsd_decay_fraction=1e-3), dict(muon_ns_steps=1), dict(muon_beta=0.0), dict(muon_beta=0.999)]:
+               dict(wsd_decay_fraction=1e-3), dict(muon_ns_steps=1), dict(muon_beta=0.0), dict(muon_beta=0.999),
+               dict(sgd_momentum=0.0), dict(sgd_momentum=0.999)]:
         assert error(**ok) is None, ok
+    for bad in (1.0, -0.1):
+        assert error(sgd_momentum=bad) == f"config.optim.sgd_momentum={bad}: expected a value in [0, 1)"
     assert error(wsd_decay_fraction=0.0) == error(wsd_decay_fraction=1.5).replace("1.5", "0.0") == (
         "config.optim.wsd_decay_fraction=0.0: expected a fraction in (0, 1]")
     for bad in [dict(muon_ns_steps=0), dict(muon_beta=1.0), dict(muon_beta=1.5), dict(muon_beta=-0.1)]:

@@ -37,6 +37,8 @@ class StepPath:
     # Top-level train-state entries this path adds (their shapes: `abstract_state`); a checkpoint written by
     # a path with other entries cannot be resumed by this one.
     state_keys: tuple = ()
+    # What the entries `state_keys` hold, in a memory report's words.
+    state_label = ""
     # Whether the gradient a step applies was computed at the previous step's weights (optimizer checks).
     stale_gradients = False
 
@@ -131,9 +133,9 @@ class StepPath:
         """The sharding of the train step's metrics (each a scalar here: replicated)."""
         return NamedSharding(self.mesh, P())
 
-    def host_metrics(self, metrics: dict) -> dict:
-        """The train step's metrics, fetched to the host, as the loop logs them (scalars)."""
-        return metrics
+    def fetch_metrics(self, metrics: dict) -> dict:
+        """The train step's metrics on the host, as the loop logs them (scalars)."""
+        return jax.device_get(metrics)
 
     def init_opt_state(self, tx, params):
         """The train state's `opt_state` at the start of a run: the optimizer's, for `params`."""

@@ -12,7 +12,7 @@ Every `diloco.sync_every` (H) steps, after the inner step, the outer step (DiLoC
 
     delta_r = global - params_r                     the pseudo-gradient of replica r (fp32)
     delta   = mean_r delta_r                        the one collective over `replica`
-    global  = global + outer_update(delta)          SGD with (Nesterov) momentum: lr 0.7, momentum 0.9
+    global  = global - lr * step(delta)             SGD with (Nesterov) momentum: lr 0.7, momentum 0.9
     params_r = global                               every replica restarts from it; inner states stay
 
 With outer lr 1, momentum 0 and H = 1, global = mean_r params_r: with a linear inner optimizer
@@ -29,13 +29,22 @@ replicas' inner optimizer states stacked [R, ...], and `diloco` holds the replic
 the outer optimizer's state and the rounding errors. All of it is checkpointed, so a run resumes exactly,
 also in the middle of an inner phase; a checkpoint resumes with the same `mesh.replica` only.
 
+Streaming DiLoCo (arXiv 2501.18512): `diloco.fragments=F` cuts the layer stack into F layer ranges (the
+parameters outside it go with the first) synced at staggered steps, t = f H / F (mod H); `diloco.overlap=1`
+exchanges the parameters after step t beside step t + 1's inner step (no data dependence between them, so
+the compiler may overlap them) and applies the result after it, mixing it into the replicas' fragment
+with `diloco.mix`. The outer optimizer is written out (SGD with Nesterov momentum, optax.sgd's rule) so
+that a fragment's step touches its own slice of the momentum alone.
+
 The inner loss is each replica's own token mean (its rows' weight total), and the pseudo-gradients are
-averaged with equal weights, as in the paper. Metrics are means over replicas. Not yet: pipelines
-(`mesh.pipe > 1`), streaming (fragments synced at staggered steps, overlapped with inner steps).
+averaged with equal weights, as in the paper. Metrics stay [R] on the devices (averaging them there would
+be a collective over `replica` at every step) and are averaged on the host. Not yet: pipelines
+(`mesh.pipe > 1`: see docs/diloco.md).
 """
 
 from __future__ import annotations
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +59,7 @@ from parallax.mesh import REPLICA
 from parallax.parallel.manual import shard_loss
 from parallax.parallel.tensor import reduction_dtype
 from parallax.paths.base import ManualPath, StepPath
+
 
 def _with_replica(spec: P) -> P:
     """`spec` of a [B, ...] array with its rows split over `replica` first."""
@@ -66,6 +76,7 @@ class DilocoPath(StepPath):
     """`mesh.replica > 1`: R replicas of the inner path (dense or manual), synced every H steps."""
 
     state_keys = ("diloco",)
+    state_label = "DiLoCo replicas' parameters, outer state"
 
     @classmethod
     def runs(cls, plan) -> bool:
@@ -77,6 +88,10 @@ class DilocoPath(StepPath):
 
         self.inner = next(c for c in PATHS if c is not DilocoPath and c.runs(plan))(plan, mesh)
         self.replicas = plan.sizes[REPLICA]
+        if isinstance(mesh, jax.sharding.Mesh) and jax.process_count() > 1:
+            # Each replica within one process (host) keeps every inner collective off the network between them.
+            where = [sorted({d.process_index for d in mesh.devices[r].flat}) for r in range(self.replicas)]
+            logging.info("DiLoCo: %d replicas on processes %s", self.replicas, where)
         self.manual = isinstance(self.inner, ManualPath)
         d = plan.config.diloco
         self.every, self.dtype = int(d.sync_every), d.pseudo_grad_dtype
@@ -84,8 +99,14 @@ class DilocoPath(StepPath):
         # One replica's parameter specs: how the outer exchange splits each tensor.
         self.param_specs = None if mesh is None else jax.tree.map(
             lambda s: s.spec, sharding.param_shardings(plan.abstract_params, plan.logical, mesh, plan.rules))
-        self.outer_tx = optax.sgd(float(d.outer_lr), momentum=float(d.outer_momentum) or None,
-                                  nesterov=bool(d.nesterov) and float(d.outer_momentum) > 0)
+        self.lr, self.momentum, self.nesterov = float(d.outer_lr), float(d.outer_momentum), bool(d.nesterov)
+        # Streaming: fragment f holds layers [f L/F, (f+1) L/F) of the block stack (and fragment 0 every
+        # parameter outside it) and syncs at the inner steps t = f H/F (mod H).
+        self.fragments, self.overlap, self.mix = int(d.fragments), int(d.overlap), float(d.mix)
+        layers = int(plan.config.model.num_layers)
+        self.layer_ranges = [(f * layers // self.fragments, (f + 1) * layers // self.fragments)
+                             for f in range(self.fragments)]
+        self.offsets = [f * self.every // self.fragments for f in range(self.fragments)]
 
     # --- the batch ------------------------------------------------------------------------------------
 
@@ -164,7 +185,8 @@ class DilocoPath(StepPath):
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.replicas, *a.shape)), tree)
 
     def _init_diloco(self, params):
-        out = {"params": self._stack(params), "outer": self.outer_tx.init(params)}
+        f32 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        out = {"params": self._stack(params), "momentum": f32 if self.momentum else {}}
         if self.feedback:
             out["error"] = self._stack(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         return out
@@ -173,9 +195,7 @@ class DilocoPath(StepPath):
         return {"diloco": self._init_diloco(params)}
 
     def extra_shardings(self, param_shardings) -> dict:
-        abstract = self.abstract_extra()["diloco"]
-        out = {"params": jax.tree.map(_stacked, param_shardings),
-               "outer": sharding.opt_state_shardings(abstract["outer"], param_shardings, self.mesh)}
+        out = {"params": jax.tree.map(_stacked, param_shardings), "momentum": param_shardings if self.momentum else {}}
         if self.feedback:
             out["error"] = jax.tree.map(_stacked, param_shardings)
         return {"diloco": out}
@@ -187,12 +207,22 @@ class DilocoPath(StepPath):
         return jax.tree.map(_stacked, shardings)
 
     def train_step(self, update, state, batch):
-        """One inner step on every replica, then the outer sync on every `sync_every`-th step (a `lax.cond`:
-        the other steps run no collective over `replica`)."""
-        state, metrics = self.inner_step(update, state, batch)
-        glob, inner, metrics["path"] = jax.lax.cond(state["step"] % self.every == 0, self.sync, self.no_sync,
-                                                    state["params"], state["diloco"])
-        return {**state, "params": glob, "diloco": inner}, metrics
+        """One inner step on every replica, then the outer sync of the fragment whose turn it is, if any (a
+        `lax.switch`: the other steps run no collective over `replica`). The sync point t is the number of
+        inner steps the exchanged parameters have taken: with `overlap=0` the replicas' parameters after
+        this step; with `overlap=1` those it started from, exchanged beside this step's inner step (nothing
+        ties the two, so the compiler may run the exchange under the step's compute) and applied after it."""
+        before = state["step"]
+        new, metrics = self.inner_step(update, state, batch)
+        point = before if self.overlap else new["step"]
+        exchanged = (state if self.overlap else new)["diloco"]["params"]
+        due = [((point - o) % self.every == 0) & (point > 0) for o in self.offsets]
+        index = jnp.int32(self.fragments)
+        for f in reversed(range(self.fragments)):
+            index = jnp.where(due[f], f, index)
+        branches = [lambda g, d, x, f=f: self.sync(g, d, x, f) for f in range(self.fragments)] + [self.no_sync]
+        glob, inner, metrics["path"] = jax.lax.switch(index, branches, new["params"], new["diloco"], exchanged)
+        return {**new, "params": glob, "diloco": inner}, metrics
 
     def inner_step(self, update, state, batch):
         """Every replica's step on its own rows with its own inner optimizer: (state, metrics [R] per
@@ -211,11 +241,12 @@ class DilocoPath(StepPath):
 
     # --- the outer step -------------------------------------------------------------------------------
 
-    def mean_pseudo_grad(self, glob, stacked, error):
+    def mean_pseudo_grad(self, glob, stacked, error, specs):
         """(mean over replicas of the pseudo-gradients as they arrive, the new rounding errors [R, ...] or
         None, the mean over replicas of their squared norms). `glob` the global parameters, `stacked` the
-        replicas' [R, ...], `error` [R, ...] or None. One `shard_map` holds the exchange, so what travels is
-        explicit: a psum in fp32 or bf16, or an all-gather of int8."""
+        replicas' [R, ...], `error` [R, ...] or None, `specs` one replica's PartitionSpecs of them. One
+        `shard_map` holds the exchange, so what travels is explicit: a psum in fp32 or bf16, or an all-gather
+        of int8."""
         def per_replica(glob, stacked, error):
             delta = jax.tree.map(lambda g, p: g.astype(jnp.float32) - p[0].astype(jnp.float32), glob, stacked)
             if error is not None:
@@ -247,7 +278,6 @@ class DilocoPath(StepPath):
                 new_error = jax.tree.map(lambda d, a: (d - a)[None], delta, arrived)
             return mean, new_error, square
 
-        specs = self.param_specs
         shard_axes = [tuple(a for e in s for a in sharding.spec_axes(e)) for s in jax.tree.leaves(specs)]
         stacked_spec = jax.tree.map(lambda s: P(REPLICA, *s), specs)
         error_spec = None if error is None else stacked_spec
@@ -260,22 +290,56 @@ class DilocoPath(StepPath):
                                check_vma=False)
         return region(glob, stacked, error)
 
-    def sync(self, glob, inner):
-        """The outer step: (global parameters, replica state, metrics)."""
-        mean, error, square = self.mean_pseudo_grad(glob, inner["params"], inner.get("error"))
-        updates, outer = self.outer_tx.update(mean, inner["outer"], glob)
-        new = jax.tree.map(lambda g, u: (g.astype(jnp.float32) + u).astype(g.dtype), glob, updates)
-        out = {**inner, "params": self._stack(new), "outer": outer}
+    def _part(self, tree, f: int, stacked: bool = False):
+        """Fragment f's part of a params-shaped tree (`stacked`: with a leading [R] dim)."""
+        lo, hi = self.layer_ranges[f]
+        cut = (lambda x: x[:, lo:hi]) if stacked else (lambda x: x[lo:hi])
+        return {k: jax.tree.map(cut, v) if k == "blocks" else v for k, v in tree.items() if k == "blocks" or f == 0}
+
+    def _merge(self, tree, part, f: int, stacked: bool = False):
+        """`tree` with fragment f's part replaced by `part`."""
+        lo = self.layer_ranges[f][0]
+        axis = 1 if stacked else 0
+        put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), lo, axis)
+        return {k: (jax.tree.map(put, v, part[k]) if k == "blocks" else jax.tree.map(lambda x, y: y.astype(x.dtype), v,
+                                                                                       part[k]))
+                if k in part else v for k, v in tree.items()}
+
+    def sync(self, glob, inner, exchanged, f: int = 0):
+        """The outer step of fragment f (every parameter when `diloco.fragments` is 1): (global
+        parameters, replica state, metrics). `exchanged` are the replicas' parameters [R, ...] whose
+        pseudo-gradients travel (`train_step`)."""
+        part = lambda tree, stacked=False: self._part(tree, f, stacked)
+        g = part(glob)
+        error = part(inner["error"], True) if "error" in inner else None
+        specs = {k: v for k, v in self.param_specs.items() if k == "blocks" or f == 0}  # a cut keeps its spec
+        mean, error, square = self.mean_pseudo_grad(g, part(exchanged, True), error, specs)
+        # SGD on the pseudo-gradient, as optax.sgd: m = mu m + delta; step = delta + mu m (Nesterov) or m
+        out = dict(inner)
+        step = mean
+        if self.momentum:
+            m = jax.tree.map(lambda m, d: self.momentum * m + d, part(inner["momentum"]), mean)
+            step = jax.tree.map(lambda m, d: d + self.momentum * m, m, mean) if self.nesterov else m
+            out["momentum"] = self._merge(inner["momentum"], m, f)
+        new = jax.tree.map(lambda x, u: x.astype(jnp.float32) - self.lr * u, g, step)
+        mine = part(inner["params"], True)
+        if self.overlap:  # the replicas moved on while the exchange ran: mix their fragment with the new one
+            mine = jax.tree.map(lambda p, x: self.mix * p.astype(jnp.float32) + (1 - self.mix) * x[None], mine, new)
+        else:
+            mine = self._stack(new)
+        out["params"] = self._merge(inner["params"], mine, f, True)
         if error is not None:
-            out["error"] = error
+            out["error"] = self._merge(inner["error"], error, f, True)
         norm = optax.tree.norm(mean)
         # The replicas' spread around their mean: mean_r |delta_r|^2 - |mean delta|^2 (no second exchange).
         divergence = jnp.sqrt(jnp.maximum(square - norm ** 2, 0.0))
-        return new, out, self._per_replica({"outer_pseudo_grad_norm": norm, "outer_divergence": divergence})
+        return self._merge(glob, new, f), out, self._per_replica(
+            {"outer_pseudo_grad_norm": norm, "outer_divergence": divergence, "outer_fragment": jnp.float32(f)})
 
-    def no_sync(self, glob, inner):
+    def no_sync(self, glob, inner, exchanged):
         nan = jnp.full((), jnp.nan, jnp.float32)  # logged only on the steps that sync
-        return glob, inner, self._per_replica({"outer_pseudo_grad_norm": nan, "outer_divergence": nan})
+        return glob, inner, self._per_replica({"outer_pseudo_grad_norm": nan, "outer_divergence": nan,
+                                               "outer_fragment": nan})
 
     def _per_replica(self, metrics):
         return jax.tree.map(lambda m: jnp.broadcast_to(m, (self.replicas,)), metrics)
@@ -284,11 +348,18 @@ class DilocoPath(StepPath):
 
     def metrics_sharding(self) -> NamedSharding:
         """Each metric is [R], one value per replica on its own devices: averaging them on the devices would
-        be a collective over `replica` at every step; the host averages them (`host_metrics`)."""
+        be a collective over `replica` at every step; the host averages them (`fetch_metrics`)."""
         return NamedSharding(self.mesh, P(REPLICA))
 
-    def host_metrics(self, metrics: dict) -> dict:
-        """Means over the replicas (`all` of the flags)."""
+    def fetch_metrics(self, metrics: dict) -> dict:
+        """Means over the replicas (`all` of the flags). With replicas in several processes each holds its
+        own replicas' values: one small host-level gather (outside the step program) gives every process all
+        of them, so every process logs and checks the same numbers."""
+        if any(not m.is_fully_addressable for m in jax.tree.leaves(metrics)):
+            from jax.experimental import multihost_utils
+
+            metrics = multihost_utils.process_allgather(metrics, tiled=True)
+        metrics = jax.device_get(metrics)
         return jax.tree.map(lambda m: np.all(m) if m.dtype == bool else np.mean(m), metrics)
 
     # --- resuming -------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class SteadyPipelinePath(PipelinePath):
     """2bw: one window of an endless pipeline per step, two weight versions, microbatches in flight."""
 
     state_keys = ("pipeline",)
+    state_label = "2bw in-flight state"
     stale_gradients = True
 
     @classmethod
