@@ -414,7 +414,8 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
         raise ConfigError(f"--workdir={workdir}: already holds a run; import into a new --workdir")
     trainer, params, tok = load_checkpoint(ckpt, config, devices, log, on_read)
     config = trainer.config
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.state_shardings["opt_state"])(params)
+    opt_state = jax.jit(lambda p: trainer.path.init_opt_state(trainer.tx, p),
+                        out_shardings=trainer.state_shardings["opt_state"])(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), trainer.state_shardings["step"])
     state = {"step": step, "params": params, "opt_state": opt_state}
     if trainer.path.state_keys:  # e.g. 2bw: an empty pipeline whose previous weights are the imported ones

@@ -343,7 +343,7 @@ def schedule_count(opt_state) -> jax.Array:
 
 def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None,
                    stale_gradients: bool = False) -> optax.GradientTransformation:
-    """The optimizer `optim` names (adamw | muon), after global-norm clipping when `optim.clip_norm` > 0,
+    """The optimizer `optim` names (adamw | muon | sgd), after global-norm clipping when `optim.clip_norm` > 0,
     applied one step late when `optim.grad_delay` is 1 (with `optim.delay_correction`). `mesh`: where Muon
     spreads its Newton-Schulz. `stale_gradients`: the caller delays the gradients itself (2bw), so only
     `optim.delay_correction` is added."""
@@ -354,8 +354,10 @@ def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None,
         tx = _muon(o, schedule, logical_names, mesh)
     elif o.name == "sgd":  # linear in the gradients: DiLoCo's exactness reference (a mean of steps is a step)
         momentum = float(o.sgd_momentum)
-        tx = optax.chain(optax.add_decayed_weights(float(o.weight_decay), decay_mask(logical_names)),
-                         *([optax.trace(momentum)] if momentum else []), optax.scale_by_learning_rate(schedule))
+        # the decay after the momentum, so it stays decoupled (lr * wd * p), as AdamW's
+        tx = optax.chain(*([optax.trace(momentum)] if momentum else []),
+                         optax.add_decayed_weights(float(o.weight_decay), decay_mask(logical_names)),
+                         optax.scale_by_learning_rate(schedule))
     else:
         tx = optax.adamw(learning_rate=schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
                          weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))

@@ -155,7 +155,7 @@ def shape_check(config, num_devices: int) -> dict:
 
     Makes the plan (every config check), derives every parameter's sharding on an abstract mesh and traces
     the training loss and gradients and the eval loss with `jax.eval_shape`, on the same path a real run
-    takes (dense, manual or pipelined). Returns parameter and token counts.
+    takes (dense, manual or pipelined; with DiLoCo replicas, their inner path's synchronous gradient). Returns parameter and token counts.
     """
     plan = make_plan(config, num_devices)
     trainer = Trainer(plan, mesh=plan.abstract_mesh())

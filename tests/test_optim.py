@@ -259,12 +259,12 @@ def test_resume_in_the_middle_of_a_delayed_corrected_muon_run_is_exact(tmp_path)
 def _compiled_update(config, spread: bool):
     """The optimizer update alone, compiled for the trainer's shardings (`spread`: Muon's Newton-Schulz on
     whole matrices spread over the mesh; else XLA partitions it on the sharded matrices)."""
-    from parallax.trainer import _opt_state_shardings
+    from parallax.sharding import opt_state_shardings
     trainer = Trainer(config, devices=jax.devices())
     params = trainer.abstract_state()["params"]
     tx = optim.make_optimizer(config.optim, 100, trainer.logical, trainer.mesh if spread else None)
     state = jax.eval_shape(tx.init, params)
-    shardings = (trainer.param_shardings, _opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
+    shardings = (trainer.param_shardings, opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
                  trainer.param_shardings)
     return jax.jit(tx.update, in_shardings=shardings).lower(params, state, params).compile(), trainer
 

@@ -3,10 +3,10 @@
 The `replica` mesh axis (outermost) holds R copies of the model. Each replica is a whole training run of
 its own inside its devices: its parameters and inner optimizer state are sharded by the other axes (data,
 FSDP, tensor, seq, expert) exactly as a run without replicas would shard them, and it takes 1/R of every
-global batch's rows. An inner step is the inner path's step (dense or manual) on every replica at once,
-and issues **no collective over `replica`**: on the dense path it is `jax.vmap` with
-`spmd_axis_name='replica'` over the stacked replica states, in the manual region the same region with
-`replica` as one more manual axis that only splits (`shard_loss(replicas=True)`).
+global batch's rows. An inner step is every replica's step at once, and issues **no collective over
+`replica`**: the model runs per rank in the manual region (`shard_loss(replicas=True)`), `replica` one more
+manual axis that only splits the stacked parameters and the rows; a model the plan runs densely runs
+there too, with data and FSDP explicit.
 
 Every `diloco.sync_every` (H) steps, after the inner step, the outer step (DiLoCo, arXiv 2311.08105):
 
@@ -19,7 +19,7 @@ With outer lr 1, momentum 0 and H = 1, global = mean_r params_r: with a linear i
 (`optim.name=sgd`) that is one data-parallel step on the whole batch (tests/test_diloco.py checks it).
 
 Pseudo-gradients travel as `diloco.pseudo_grad_dtype`: float32 (an all-reduce), bfloat16 (an all-reduce
-of half the bytes) or int8 (a per-tensor absmax scale per replica; an all-gather of the int8 values and
+of half the bytes) or int8 (an absmax scale per replica and tensor, per layer of the stack; an all-gather of the int8 values and
 the scales, dequantised and averaged on arrival: a quarter of the bytes, since an all-reduce cannot sum
 int8 without overflow). With `diloco.error_feedback` each replica keeps what rounding took from its
 pseudo-gradient (fp32, one more copy of its parameters) and adds it to the next one.
@@ -31,9 +31,10 @@ also in the middle of an inner phase; a checkpoint resumes with the same `mesh.r
 
 Streaming DiLoCo (arXiv 2501.18512): `diloco.fragments=F` cuts the layer stack into F layer ranges (the
 parameters outside it go with the first) synced at staggered steps, t = f H / F (mod H); `diloco.overlap=1`
-exchanges the parameters after step t beside step t + 1's inner step (no data dependence between them, so
-the compiler may overlap them) and applies the result after it, mixing it into the replicas' fragment
-with `diloco.mix`. The outer optimizer is written out (SGD with Nesterov momentum, optax.sgd's rule) so
+exchanges the parameters after step t during step t + 1 and applies the result after that step's inner
+step, mixing it into the replicas' fragment with `diloco.mix` (the paper's tau = 1 semantics; the exchange
+sits in a conditional branch, which XLA runs as one operation, so it does not yet run under the inner
+step's compute: see docs/diloco.md). The outer optimizer is written out (SGD with Nesterov momentum, optax.sgd's rule) so
 that a fragment's step touches its own slice of the momentum alone.
 
 The inner loss is each replica's own token mean (its rows' weight total), and the pseudo-gradients are
@@ -43,6 +44,8 @@ be a collective over `replica` at every step) and are averaged on the host. Not 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from absl import logging
 import jax
@@ -58,7 +61,7 @@ from parallax.errors import ConfigError
 from parallax.mesh import REPLICA
 from parallax.parallel.manual import shard_loss
 from parallax.parallel.tensor import reduction_dtype
-from parallax.paths.base import ManualPath, StepPath
+from parallax.paths.base import StepPath
 
 
 def _with_replica(spec: P) -> P:
@@ -92,7 +95,16 @@ class DilocoPath(StepPath):
             # Each replica within one process (host) keeps every inner collective off the network between them.
             where = [sorted({d.process_index for d in mesh.devices[r].flat}) for r in range(self.replicas)]
             logging.info("DiLoCo: %d replicas on processes %s", self.replicas, where)
-        self.manual = isinstance(self.inner, ManualPath)
+        # The inner step always runs in the manual region, `replica` one more manual axis that only splits:
+        # the dense path's model code too, with data and FSDP explicit (as the manual path does). Under
+        # jax.vmap(spmd_axis_name='replica') instead, each while loop whose trip count differs per row (the
+        # blockwise attention's tile ranges) reduced its predicate over the replicas at every iteration, a
+        # collective over `replica` in every inner step; and vmap over the manual region fails JAX's
+        # varying-axes checks.
+        par = plan.parallelism
+        if not par.mesh_shape:
+            par = dataclasses.replace(par, mesh_shape=tuple(plan.sizes.items()), rules=tuple(plan.rules.items()))
+        self.par = par
         d = plan.config.diloco
         self.every, self.dtype = int(d.sync_every), d.pseudo_grad_dtype
         self.feedback = bool(d.error_feedback) and self.dtype != "float32"
@@ -107,6 +119,12 @@ class DilocoPath(StepPath):
         self.layer_ranges = [(f * layers // self.fragments, (f + 1) * layers // self.fragments)
                              for f in range(self.fragments)]
         self.offsets = [f * self.every // self.fragments for f in range(self.fragments)]
+        steps = int(plan.config.train.steps)
+        if mesh is not None and (steps % self.every or self.overlap or self.fragments > 1):
+            logging.warning("DiLoCo: the global parameters (eval, sampling, export) hold what the replicas learnt "
+                            "up to each fragment's last sync; train.steps=%d is not a step at which every fragment "
+                            "has just synced (sync_every=%d, fragments=%d, overlap=%d), so the replicas' last inner "
+                            "steps stay in the replicas", steps, self.every, self.fragments, self.overlap)
 
     # --- the batch ------------------------------------------------------------------------------------
 
@@ -126,28 +144,20 @@ class DilocoPath(StepPath):
 
     def sum(self, params, batch):
         """The global parameters' loss sum over the global batch (eval): each replica's rows on its own
-        devices, the R sums added."""
-        def one(b):
-            return self.inner.sum(params, b)
-        return jnp.sum(jax.vmap(one, spmd_axis_name=REPLICA)(self.per_replica(batch)))
+        devices, the R sums added (the one collective over `replica`: a scalar)."""
+        return jnp.sum(self.replica_terms(self._stack(params), batch)[0])
 
     def sum_and_grads(self, params, batch):
         """The synchronous gradient of the global parameters (tools; training uses `replica_grads`)."""
         return self.inner.sum_and_grads(params, batch)
 
-    def eval_sums(self, params, batch):
-        def one(b):
-            return self.inner.eval_sums(params, b)
-        return jnp.sum(jax.vmap(one, spmd_axis_name=REPLICA)(self.per_replica(batch)), axis=0)
-
     def replica_terms(self, stacked, batch):
         """([R] loss sums, aux sums [R, ...]) of each replica's parameters on its own rows of `batch`."""
-        plan = self.plan
-        if self.manual:
-            def per_rank(p, b):
-                return model_lib.loss_terms(nnx.merge(plan.graphdef, p), b, plan.remat, plan.parallelism)
-            return shard_loss(per_rank, plan.parallelism, self.mesh, plan.logical, replicas=True)(stacked, batch)
-        return jax.vmap(self.inner.terms, spmd_axis_name=REPLICA)(stacked, self.per_replica(batch))
+        plan, par = self.plan, self.par
+
+        def per_rank(p, b):
+            return model_lib.loss_terms(nnx.merge(plan.graphdef, p), b, plan.remat, par)
+        return shard_loss(per_rank, par, self.mesh, plan.logical, replicas=True)(stacked, batch)
 
     def replica_grads(self, stacked, batch):
         """([R] mean losses, gradients [R, ...] fp32, aux [R, ...]): each replica's loss (aux losses
@@ -210,8 +220,7 @@ class DilocoPath(StepPath):
         """One inner step on every replica, then the outer sync of the fragment whose turn it is, if any (a
         `lax.switch`: the other steps run no collective over `replica`). The sync point t is the number of
         inner steps the exchanged parameters have taken: with `overlap=0` the replicas' parameters after
-        this step; with `overlap=1` those it started from, exchanged beside this step's inner step (nothing
-        ties the two, so the compiler may run the exchange under the step's compute) and applied after it."""
+        this step; with `overlap=1` those it started from, applied after this step's inner step."""
         before = state["step"]
         new, metrics = self.inner_step(update, state, batch)
         point = before if self.overlap else new["step"]
@@ -220,7 +229,7 @@ class DilocoPath(StepPath):
         index = jnp.int32(self.fragments)
         for f in reversed(range(self.fragments)):
             index = jnp.where(due[f], f, index)
-        branches = [lambda g, d, x, f=f: self.sync(g, d, x, f) for f in range(self.fragments)] + [self.no_sync]
+        branches = [lambda g, d, x, f=f: self.sync(g, d, x, f) for f in range(self.fragments)] + [self._no_sync]
         glob, inner, metrics["path"] = jax.lax.switch(index, branches, new["params"], new["diloco"], exchanged)
         return {**new, "params": glob, "diloco": inner}, metrics
 
@@ -247,12 +256,23 @@ class DilocoPath(StepPath):
         replicas' [R, ...], `error` [R, ...] or None, `specs` one replica's PartitionSpecs of them. One
         `shard_map` holds the exchange, so what travels is explicit: a psum in fp32 or bf16, or an all-gather
         of int8."""
+        shard_axes = [tuple(a for e in s for a in sharding.spec_axes(e)) for s in jax.tree.leaves(specs)]
+        others = tuple(a for a in self.mesh.axis_names if a != REPLICA)
+
+        def square_norm(tree):  # this replica's |tree|^2, each leaf summed over the axes that split it
+            parts = [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]
+            return sum(jax.lax.psum(v, axes) if axes else v for v, axes in zip(parts, shard_axes))
+
+        def scale(x, stacked_layers):  # int8 absmax scale: per layer of a stacked [L, ...] leaf, else per tensor
+            keep = (0,) if stacked_layers and x.ndim > 1 else ()
+            peak = jnp.max(jnp.abs(x), axis=tuple(d for d in range(x.ndim) if d not in keep), keepdims=True)
+            return jnp.maximum(jax.lax.pmax(peak, others), 1e-30) / 127.0
+
         def per_replica(glob, stacked, error):
             delta = jax.tree.map(lambda g, p: g.astype(jnp.float32) - p[0].astype(jnp.float32), glob, stacked)
             if error is not None:
                 delta = jax.tree.map(lambda d, e: d + e[0], delta, error)
-            square = jax.lax.pmean(sum(jax.lax.psum(jnp.sum(jnp.square(x)), axes) if axes else jnp.sum(jnp.square(x))
-                                       for x, axes in zip(jax.tree.leaves(delta), shard_axes)), REPLICA)
+            square = jax.lax.pmean(square_norm(delta), REPLICA)
             if self.dtype == "float32":
                 return jax.tree.map(lambda x: jax.lax.pmean(x, REPLICA), delta), None, square
             if self.dtype == "bfloat16":
@@ -262,23 +282,20 @@ class DilocoPath(StepPath):
                                     / self.replicas, sent)
                 arrived = jax.tree.map(lambda q: q.astype(jnp.float32), sent)
             else:
-                others = tuple(a for a in self.mesh.axis_names if a != REPLICA)  # a whole tensor's max
-                scales = jax.tree.map(lambda x: jnp.maximum(jax.lax.pmax(jnp.max(jnp.abs(x)), others), 1e-30) / 127.0,
-                                      delta)
+                scales = {k: jax.tree.map(lambda x, k=k: scale(x, k == "blocks"), v) for k, v in delta.items()}
                 sent = jax.tree.map(lambda x, c: jnp.round(x / c).astype(jnp.int8), delta, scales)
                 arrived = jax.tree.map(lambda q, c: q.astype(jnp.float32) * c, sent, scales)
                 # An all-reduce cannot sum int8 without overflow: every replica receives every replica's
                 # int8 values and scale (all-gathers), and sums in fp32.
                 gathered = jax.tree.map(lambda q: jax.lax.all_gather(q, REPLICA), sent)
                 all_scales = jax.tree.map(lambda c: jax.lax.all_gather(c, REPLICA), scales)
-                mean = jax.tree.map(lambda q, c: jnp.einsum("r...,r->...", q.astype(jnp.float32), c) / self.replicas,
-                                    gathered, all_scales)
+                # q [R, ...] int8, c [R, L or 1, 1, ...]: the replicas' dequantised values, averaged
+                mean = jax.tree.map(lambda q, c: jnp.mean(q.astype(jnp.float32) * c, axis=0), gathered, all_scales)
             new_error = None
             if error is not None:
                 new_error = jax.tree.map(lambda d, a: (d - a)[None], delta, arrived)
             return mean, new_error, square
 
-        shard_axes = [tuple(a for e in s for a in sharding.spec_axes(e)) for s in jax.tree.leaves(specs)]
         stacked_spec = jax.tree.map(lambda s: P(REPLICA, *s), specs)
         error_spec = None if error is None else stacked_spec
         # Manual over every axis, each leaf in its own sharding: what travels over `replica` is this
@@ -336,8 +353,9 @@ class DilocoPath(StepPath):
         return self._merge(glob, new, f), out, self._per_replica(
             {"outer_pseudo_grad_norm": norm, "outer_divergence": divergence, "outer_fragment": jnp.float32(f)})
 
-    def no_sync(self, glob, inner, exchanged):
-        nan = jnp.full((), jnp.nan, jnp.float32)  # logged only on the steps that sync
+    def _no_sync(self, glob, inner, exchanged):
+        """A step without a sync: everything as it is, NaN metrics (logged only on the steps that sync)."""
+        nan = jnp.full((), jnp.nan, jnp.float32)
         return glob, inner, self._per_replica({"outer_pseudo_grad_norm": nan, "outer_divergence": nan,
                                                "outer_fragment": nan})
 
@@ -366,8 +384,8 @@ class DilocoPath(StepPath):
 
     @classmethod
     def check_resume(cls, saved: dict, now: dict) -> None:
-        """A DiLoCo checkpoint holds each replica's state: it resumes with the same replica count, and with
-        rounding errors iff it was saved with them."""
+        """A DiLoCo checkpoint holds each replica's state: it resumes with the same replica count and the
+        same `diloco.*` settings (the momentum and rounding errors it holds, and the outer trajectory)."""
         was, r = int(saved.get("mesh.replica", 1)), int(now.get("mesh.replica", 1))
         if was != r:
             if was > 1:
@@ -376,9 +394,8 @@ class DilocoPath(StepPath):
                                   f"load with parallax.sample.load_workdir, e.g. launch/hf_export.py)")
             raise ConfigError(f"config.mesh.replica={r}: the checkpoint in this workdir is of a run without DiLoCo "
                               f"replicas; resume with mesh.replica=1, or start a new workdir")
-        if r > 1:
-            for key in ("diloco.pseudo_grad_dtype", "diloco.error_feedback"):
-                if key in now and saved.get(key, now[key]) != now[key]:
-                    raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was saved with "
-                                      f"{key}={saved[key]!r} (its state holds the rounding errors or not); resume "
-                                      f"with {key}={saved[key]!r}")
+        if r > 1:  # the outer optimizer's settings shape its state and its trajectory, as optim.* do
+            for key in sorted(k for k in now if k.startswith("diloco.")):
+                if saved.get(key, now[key]) != now[key]:
+                    raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was saved by a "
+                                      f"DiLoCo run with {key}={saved[key]!r}; resume with {key}={saved[key]!r}")
