@@ -81,22 +81,25 @@ def _crossing(traffic, replica_size):
 
 
 @pytest.mark.parametrize("model,mesh", [("llama", dict(data=2, tensor=2)), ("llama", dict(data=4)),
-                                        ("moe", dict(expert=2, data=2))],
-                         ids=["manual-data=2,tensor=2", "dense-data=4", "moe-expert=2,data=2"])
+                                        ("moe", dict(expert=2, data=2)), ("muon", dict(fsdp=2, data=2))],
+                         ids=["data=2,tensor=2", "data=4", "moe-expert=2,data=2", "muon-fsdp=2,data=2"])
 def test_inner_step_never_communicates_across_replicas(model, mesh):
-    """The inner step's collectives (the dense path under vmap, the manual region, the expert all-to-alls)
-    all stay within a replica; the whole step's crossing ones are the sync's, in its conditional branch."""
+    """The inner step's collectives (data, FSDP, tensor, the expert all-to-alls, Muon's resharding) all stay
+    within a replica; the whole step's crossing ones are the sync's, in its conditional branch."""
     from parallax.hlo import collective_traffic
 
-    trainer = Trainer(_diloco(tiny_config(model), **mesh), devices=jax.devices())
+    config = _diloco(tiny_config("llama" if model == "muon" else model), **mesh)
+    if model == "muon":
+        config.optim.name = "muon"
+    trainer = Trainer(config, devices=jax.devices())
     state = trainer.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_shardings[k])
              for k, v in make_dataset(trainer.config).batch(0).items()}
     inner = jax.jit(lambda s, b: trainer.path.inner_step(trainer.update, s, b),
                     out_shardings=(trainer.state_shardings, trainer.path.metrics_sharding()))
     traffic = collective_traffic(inner.lower(state, batch).compile().as_text(), 8)
-    if model == "moe" or "tensor" in mesh:
-        assert traffic, "the inner step has the tensor / expert collectives of a replica"
+    if model != "llama" or "tensor" in mesh:
+        assert traffic, "the inner step has the tensor / expert / FSDP collectives of a replica"
     assert [(c["op"], c["arrays"]) for c in _crossing(traffic, 4)] == []
     whole = collective_traffic(trainer.train_step.lower(state, batch).compile().as_text(), 8)
     assert _crossing(whole, 4)
