@@ -26,7 +26,8 @@ flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "de
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
-flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: training steps.")
+flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: "
+                     "training steps.")
 FLAGS = flags.FLAGS
 
 
@@ -167,8 +168,7 @@ def bench_muon():
 
     from parallax import hlo, optim
     from parallax.defaults import load_config_file
-    from parallax.sharding import opt_state_shardings
-    from parallax.trainer import Trainer
+    from parallax.trainer import Trainer, _opt_state_shardings
 
     print("\n| config | devices | Newton-Schulz | FLOPs per device | collectives | bytes moved per device |\n"
           "|---|---|---|---|---|---|")
@@ -186,7 +186,7 @@ def bench_muon():
         for label, mesh in (("plain", None), ("spread", trainer.mesh)):
             tx = optim.make_optimizer(config.optim, 100, trainer.logical, mesh)
             state = jax.eval_shape(tx.init, params)
-            shardings = (trainer.param_shardings, opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
+            shardings = (trainer.param_shardings, _opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
                          trainer.param_shardings)
             compiled = jax.jit(tx.update, in_shardings=shardings).lower(params, state, params).compile()
             cost = compiled.cost_analysis()
@@ -456,7 +456,8 @@ def bench_diloco(steps: int):
     from parallax.defaults import load_config_file
     from parallax.train import train_and_evaluate
 
-    print(f"| run ({steps} steps, 16 x 128 tokens a step) | final eval loss | last train loss | time |\n|---|---|---|---|",
+    print(f"| run ({steps} steps, 16 x 128 tokens a step) | final eval loss | last train loss | time |\n"
+          "|---|---|---|---|",
           flush=True)
     for label, mesh, diloco in DILOCO_RUNS:
         config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",

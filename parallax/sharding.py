@@ -69,8 +69,8 @@ def _mesh_axes(name, value):
     axes = tuple(a for a in axes if not (a is None or (isinstance(a, str) and a.lower() == "none")))
     for axis in axes:
         if axis == REPLICA:
-            raise ConfigError(f"config.sharding.rules.{name}={value!r}: no rule may name the {REPLICA!r} axis (DiLoCo's "
-                              f"replicas each hold a whole model); use None or the other mesh axes")
+            raise ConfigError(f"config.sharding.rules.{name}={value!r}: no rule may name the {REPLICA!r} axis "
+                              f"(DiLoCo's replicas each hold a whole model); use None or the other mesh axes")
         if axis not in AXES:
             raise ConfigError(f"config.sharding.rules.{name}={value!r}: {axis!r} is not a mesh axis; use None or "
                               f"mesh axes from {', '.join(AXES)}")
@@ -110,6 +110,12 @@ def logical_to_spec(names, rules, mesh=None, shape=None, what="array") -> P:
     while spec and spec[-1] is None:
         spec.pop()
     return P(*spec)
+
+
+def with_replica_rows(spec: P) -> P:
+    """`spec` of a [B, ...] array with its rows split over DiLoCo's `replica` axis first."""
+    rows = spec_axes(spec[0]) if len(spec) else ()
+    return P((REPLICA, *rows), *spec[1:])
 
 
 def is_logical_names(x) -> bool:
@@ -165,20 +171,3 @@ def constrain(x, names):
 def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input array."""
     return NamedSharding(mesh, logical_to_spec(("batch", "length") + (None,) * (ndim - 2), rules, mesh))
-
-
-def opt_state_shardings(abstract_opt_state, param_shardings, mesh):
-    """Optimizer leaves mirroring a parameter get its sharding; everything else is replicated."""
-    by_path = {}
-    for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
-        by_path[tuple(k.key for k in path)] = s
-    replicated = NamedSharding(mesh, P())
-
-    def one(path, leaf):
-        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-        for start in range(len(keys)):
-            s = by_path.get(keys[start:])
-            if s is not None and len(s.spec) <= leaf.ndim:
-                return s
-        return replicated
-    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)

@@ -24,6 +24,23 @@ from parallax.paths import make_path
 from parallax.plan import Plan, abstract_batch, make_plan
 
 
+def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
+    """Optimizer leaves mirroring a parameter get its sharding; everything else is replicated."""
+    by_path = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
+        by_path[tuple(k.key for k in path)] = s
+    replicated = NamedSharding(mesh, P())
+
+    def one(path, leaf):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        for start in range(len(keys)):
+            s = by_path.get(keys[start:])
+            if s is not None and len(s.spec) <= leaf.ndim:
+                return s
+        return replicated
+    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
 class Trainer:
     """Everything derived from a plan and a mesh: shardings, optimizer, and the jitted steps."""
 
@@ -55,7 +72,7 @@ class Trainer:
             "step": replicated,
             "params": self.param_shardings,
             "opt_state": self.path.opt_state_shardings(
-                sharding.opt_state_shardings(abstract_opt, self.param_shardings, self.mesh)),
+                _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh)),
             **self.path.extra_shardings(self.param_shardings),
         }
         self.batch_sharding = self.path.rows_sharding()  # rows: what each host loads
@@ -84,8 +101,8 @@ class Trainer:
 
     def _init_state(self, seed: int):
         params = nnx.to_pure_dict(nnx.state(self.plan.new_model(seed)))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.path.init_opt_state(self.tx, params),
-                **self.path.init_extra(params)}
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": self.path.init_opt_state(self.tx, params), **self.path.init_extra(params)}
 
     def _loss_and_grads(self, params, batch):
         """Mean token loss over the global batch and its gradients, accumulated over microbatches in fp32."""
@@ -155,7 +172,8 @@ def shape_check(config, num_devices: int) -> dict:
 
     Makes the plan (every config check), derives every parameter's sharding on an abstract mesh and traces
     the training loss and gradients and the eval loss with `jax.eval_shape`, on the same path a real run
-    takes (dense, manual or pipelined; with DiLoCo replicas, their inner path's synchronous gradient). Returns parameter and token counts.
+    takes (dense, manual or pipelined; with DiLoCo replicas, their inner path's synchronous gradient).
+    Returns parameter and token counts.
     """
     plan = make_plan(config, num_devices)
     trainer = Trainer(plan, mesh=plan.abstract_mesh())

@@ -124,7 +124,8 @@ def test_lr_schedule_edges_no_warmup_a_one_step_decay_and_decay_steps_0():
 
 
 def test_bad_optimizer_settings_are_one_line_errors():
-    for key, value, match in [("name", "lion", "expected one of adamw, muon, sgd"), ("grad_delay", 2, "expected 0 or 1"),
+    for key, value, match in [("name", "lion", "expected one of adamw, muon, sgd"),
+                              ("grad_delay", 2, "expected 0 or 1"),
                               ("schedule", "linear", "expected one of cosine, wsd, constant"),
                               ("muon_rms", 0.0, "muon_rms=0.0 > 0"), ("muon_exclude", "vocabs", "'vocabs' is not a"),
                               ("delay_correction", "ef", "expected one of none, error_feedback"),
@@ -259,12 +260,12 @@ def test_resume_in_the_middle_of_a_delayed_corrected_muon_run_is_exact(tmp_path)
 def _compiled_update(config, spread: bool):
     """The optimizer update alone, compiled for the trainer's shardings (`spread`: Muon's Newton-Schulz on
     whole matrices spread over the mesh; else XLA partitions it on the sharded matrices)."""
-    from parallax.sharding import opt_state_shardings
+    from parallax.trainer import _opt_state_shardings
     trainer = Trainer(config, devices=jax.devices())
     params = trainer.abstract_state()["params"]
     tx = optim.make_optimizer(config.optim, 100, trainer.logical, trainer.mesh if spread else None)
     state = jax.eval_shape(tx.init, params)
-    shardings = (trainer.param_shardings, opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
+    shardings = (trainer.param_shardings, _opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
                  trainer.param_shardings)
     return jax.jit(tx.update, in_shardings=shardings).lower(params, state, params).compile(), trainer
 

@@ -54,7 +54,7 @@ from parallax import compat
 from parallax.mesh import REPLICA
 from parallax.parallel import cudnn, flash, sequence, splash, tensor, vocab
 from parallax.sharding import (activation_context, constrain, is_logical_names, logical_to_spec, param_logical_names,
-                               spec_axes)
+                               spec_axes, with_replica_rows)
 
 # Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
 MODEL_AXES = ("seq", "tensor")
@@ -388,8 +388,7 @@ def shard_loss(loss_fn, par: Parallelism, mesh, param_logical, replicas: bool = 
     out_spec = P()
     if replicas:
         param_specs = jax.tree.map(lambda s: P(REPLICA, *s), param_specs, is_leaf=lambda s: isinstance(s, P))
-        rows = spec_axes(batch_spec[0]) if len(batch_spec) else ()
-        batch_spec = P((REPLICA, *rows), *batch_spec[1:])
+        batch_spec = with_replica_rows(batch_spec)
         out_spec = P(REPLICA)
 
     def per_rank(params, batch):

@@ -23,5 +23,6 @@ def check_resume(saved: dict, now: dict) -> None:
         cls.check_resume(saved, now)
 
 
-__all__ = ["PATHS", "DensePath", "DilocoPath", "ManualPath", "PipelinePath", "StepPath", "SteadyPipelinePath", "check_resume",
+__all__ = ["PATHS", "DensePath", "DilocoPath", "ManualPath", "PipelinePath", "StepPath", "SteadyPipelinePath",
+           "check_resume",
            "make_path"]

@@ -19,10 +19,10 @@ With outer lr 1, momentum 0 and H = 1, global = mean_r params_r: with a linear i
 (`optim.name=sgd`) that is one data-parallel step on the whole batch (tests/test_diloco.py checks it).
 
 Pseudo-gradients travel as `diloco.pseudo_grad_dtype`: float32 (an all-reduce), bfloat16 (an all-reduce
-of half the bytes) or int8 (an absmax scale per replica and tensor, per layer of the stack; an all-gather of the int8 values and
-the scales, dequantised and averaged on arrival: a quarter of the bytes, since an all-reduce cannot sum
-int8 without overflow). With `diloco.error_feedback` each replica keeps what rounding took from its
-pseudo-gradient (fp32, one more copy of its parameters) and adds it to the next one.
+of half the bytes) or int8 (an absmax scale per replica and tensor, per layer of the stack; an all-gather of
+the int8 values and the scales, dequantised and averaged on arrival: a quarter of the bytes, since an
+all-reduce cannot sum int8 without overflow). With `diloco.error_feedback` each replica keeps what
+rounding took from its pseudo-gradient (fp32, one more copy of its parameters) and adds it to the next one.
 
 State: `params` are the global parameters (what eval, sampling and export read), `opt_state` the
 replicas' inner optimizer states stacked [R, ...], and `diloco` holds the replicas' parameters [R, ...],
@@ -34,8 +34,8 @@ parameters outside it go with the first) synced at staggered steps, t = f H / F 
 exchanges the parameters after step t during step t + 1 and applies the result after that step's inner
 step, mixing it into the replicas' fragment with `diloco.mix` (the paper's tau = 1 semantics; the exchange
 sits in a conditional branch, which XLA runs as one operation, so it does not yet run under the inner
-step's compute: see docs/diloco.md). The outer optimizer is written out (SGD with Nesterov momentum, optax.sgd's rule) so
-that a fragment's step touches its own slice of the momentum alone.
+step's compute: see docs/diloco.md). The outer optimizer is written out (SGD with Nesterov momentum,
+optax.sgd's rule) so that a fragment's step touches its own slice of the momentum alone.
 
 The inner loss is each replica's own token mean (its rows' weight total), and the pseudo-gradients are
 averaged with equal weights, as in the paper. Metrics stay [R] on the devices (averaging them there would
@@ -62,12 +62,6 @@ from parallax.mesh import REPLICA
 from parallax.parallel.manual import shard_loss
 from parallax.parallel.tensor import reduction_dtype
 from parallax.paths.base import StepPath
-
-
-def _with_replica(spec: P) -> P:
-    """`spec` of a [B, ...] array with its rows split over `replica` first."""
-    rows = sharding.spec_axes(spec[0]) if len(spec) else ()
-    return P((REPLICA, *rows), *spec[1:])
 
 
 def _stacked(s: NamedSharding) -> NamedSharding:
@@ -129,11 +123,11 @@ class DilocoPath(StepPath):
     # --- the batch ------------------------------------------------------------------------------------
 
     def batch_spec(self, key: str) -> P:
-        return _with_replica(self.inner.batch_spec(key))
+        return sharding.with_replica_rows(self.inner.batch_spec(key))
 
     def rows_sharding(self) -> NamedSharding:
         s = self.inner.rows_sharding()
-        return NamedSharding(s.mesh, _with_replica(s.spec))
+        return NamedSharding(s.mesh, sharding.with_replica_rows(s.spec))
 
     def per_replica(self, batch):
         """[B, ...] arrays -> [R, B/R, ...]: replica r's rows (the r-th block of the rows)."""
