@@ -49,26 +49,49 @@ def _run(config, devices, steps=STEPS):
     return losses, jax.device_get(state["params"])
 
 
+def _reference(model):
+    """One device: (step losses, final parameters) of plain SGD on the whole batch, and each replica's
+    (loss, gradients) of the first batch: the single-device loss of its own rows (the first / second half)."""
+    config = _sgd(tiny_config(model))
+    losses, params = _run(config, jax.devices()[:1])
+    half = _sgd(tiny_config(model))
+    half.train.global_batch_size //= 2
+    trainer, batch = Trainer(half, devices=jax.devices()[:1]), _batch(make_dataset(config), 0)
+    state = trainer.init_state()
+    rows = [{k: v[r * 8:(r + 1) * 8] for k, v in batch.items()} for r in range(2)]
+    return losses, params, [jax.device_get(trainer.loss_and_grads(state["params"], trainer.device_batch(b)))
+                            for b in rows]
+
+
 @pytest.fixture(scope="module")
 def data_parallel_sgd():
-    """The reference: plain SGD on the whole batch, one device."""
-    return _run(_sgd(tiny_config()), jax.devices()[:1])
+    return _reference("llama")
 
 
 @pytest.fixture(scope="module")
 def moe_data_parallel_sgd():
-    return _run(_sgd(tiny_config("moe")), jax.devices()[:1])
+    return _reference("moe")
 
 
 @pytest.mark.parametrize("model,mesh", [("llama", dict(data=4)), ("llama", dict(fsdp=2, tensor=2)),
                                         ("moe", dict(expert=2, data=2))],
                          ids=["data=4", "fsdp=2,tensor=2", "moe-expert=2,data=2"])
 def test_averaging_every_step_equals_data_parallel_training(model, mesh, request):
-    """H=1, outer SGD lr 1, momentum 0, fp32: the global parameters are the mean of the replicas' after
-    each step, which for a linear inner optimizer is the data-parallel step on the global batch."""
-    losses, params = _run(_diloco(_sgd(tiny_config(model)), **mesh), jax.devices())
+    """Each replica's first loss and every gradient leaf equal one device's on that replica's rows; and with
+    H=1, outer SGD lr 1, momentum 0, fp32, the global parameters are the mean of the replicas' after each
+    step, which for a linear inner optimizer is the data-parallel step on the global batch."""
+    config = _diloco(_sgd(tiny_config(model)), **mesh)
     reference = "data_parallel_sgd" if model == "llama" else "moe_data_parallel_sgd"
-    ref_losses, ref_params = request.getfixturevalue(reference)
+    ref_losses, ref_params, ref_grads = request.getfixturevalue(reference)
+    trainer = Trainer(config, devices=jax.devices())
+    stacked = trainer.init_state()["diloco"]["params"]
+    batch = trainer.device_batch(_batch(make_dataset(config), 0))
+    first, grads, _ = jax.device_get(jax.jit(trainer.path.replica_grads)(stacked, batch))
+    for r, (ref_loss, ref_grad) in enumerate(ref_grads):
+        np.testing.assert_allclose(first[r], ref_loss, rtol=1e-5)
+        err, where = max_leaf_rel_err(jax.tree.map(lambda g: g[r], grads), ref_grad)
+        assert err <= 1e-5, f"replica {r}'s gradient {where} differs by {err:.2e}"
+    losses, params = _run(config, jax.devices())
     err, where = max_leaf_rel_err(params, ref_params)
     print(f"worst parameter {where} {err:.2e}")
     assert err <= 1e-5, f"parameter {where} differs by {err:.2e}"
