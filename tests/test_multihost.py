@@ -128,7 +128,10 @@ def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(layo
     try:
         deadline = time.time() + 400
         while time.time() < deadline and cluster.poll() is None:
-            if os.path.exists(os.path.join(workdir, "metrics.jsonl")) and len(_records(workdir)) >= 3:
+            # a complete checkpoint (Orbax renames a finished save to its step) and a step past it
+            saved = os.path.join(workdir, "checkpoints")
+            done = os.path.isdir(saved) and any(n.isdigit() for n in os.listdir(saved))
+            if done and os.path.exists(os.path.join(workdir, "metrics.jsonl")) and len(_records(workdir)) >= 3:
                 break
             time.sleep(0.2)
         assert cluster.poll() is None, cluster.communicate()[1][-3000:]
