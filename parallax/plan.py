@@ -248,9 +248,10 @@ def _check_diloco(config, sizes):
     if f < 1 or f > int(d.sync_every) or layers % f:
         raise ConfigError(f"config.diloco.fragments={d.fragments}: must divide model.num_layers={layers} and be at "
                           f"most diloco.sync_every={d.sync_every} (one fragment syncs at a time); e.g. 1")
-    if r > 1 and sizes["pipe"] > 1:
-        raise ConfigError(f"config.mesh.replica={r} with mesh.pipe={sizes['pipe']}: DiLoCo does not run pipelines "
-                          f"yet; set mesh.pipe=1 (data, fsdp, tensor, seq and expert work inside each replica)")
+    if r > 1 and sizes["pipe"] > 1 and config.pipeline.schedule == "2bw":
+        raise ConfigError(f"config.mesh.replica={r} with pipeline.schedule='2bw': DiLoCo replicas run flushing "
+                          f"schedules (a steady window carries the previous step's microbatches, which an outer "
+                          f"sync would cut); use pipeline.schedule='1f1b' (or gpipe, interleaved_1f1b, zb_h1, zbv)")
 
 
 def _check_muon_exclude(config, rules):

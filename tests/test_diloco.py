@@ -74,8 +74,8 @@ def moe_data_parallel_sgd():
 
 
 @pytest.mark.parametrize("model,mesh", [("llama", dict(data=4)), ("llama", dict(fsdp=2, tensor=2)),
-                                        ("moe", dict(expert=2, data=2))],
-                         ids=["data=4", "fsdp=2,tensor=2", "moe-expert=2,data=2"])
+                                        ("llama", dict(pipe=2, data=2)), ("moe", dict(expert=2, data=2))],
+                         ids=["data=4", "fsdp=2,tensor=2", "pipe=2,data=2", "moe-expert=2,data=2"])
 def test_averaging_every_step_equals_data_parallel_training(model, mesh, request):
     """Each replica's first loss and every gradient leaf equal one device's on that replica's rows; and with
     H=1, outer SGD lr 1, momentum 0, fp32, the global parameters are the mean of the replicas' after each
@@ -105,11 +105,13 @@ def _crossing(traffic, replica_size):
 
 
 @pytest.mark.parametrize("model,mesh", [("llama", dict(data=2, tensor=2)), ("llama", dict(data=4)),
-                                        ("moe", dict(expert=2, data=2)), ("muon", dict(fsdp=2, data=2))],
-                         ids=["data=2,tensor=2", "data=4", "moe-expert=2,data=2", "muon-fsdp=2,data=2"])
+                                        ("moe", dict(expert=2, data=2)), ("muon", dict(fsdp=2, data=2)),
+                                        ("llama", dict(pipe=2, data=2))],
+                         ids=["data=2,tensor=2", "data=4", "moe-expert=2,data=2", "muon-fsdp=2,data=2",
+                              "pipe=2,data=2"])
 def test_inner_step_never_communicates_across_replicas(model, mesh):
-    """The inner step's collectives (data, FSDP, tensor, the expert all-to-alls, Muon's resharding) all stay
-    within a replica; the whole step's crossing ones are the sync's, in its conditional branch."""
+    """The inner step's collectives (data, FSDP, tensor, the expert all-to-alls, Muon's resharding, the
+    pipeline's permutes) all stay within a replica; the whole step's crossing ones are the sync's, in its conditional branch."""
     from parallax.hlo import collective_traffic
 
     config = _diloco(tiny_config("llama" if model == "muon" else model), **mesh)
@@ -122,7 +124,7 @@ def test_inner_step_never_communicates_across_replicas(model, mesh):
     inner = jax.jit(lambda s, b: trainer.path.inner_step(trainer.update, s, b),
                     out_shardings=(trainer.state_shardings, trainer.path.metrics_sharding()))
     traffic = collective_traffic(inner.lower(state, batch).compile().as_text(), 8)
-    if model != "llama" or "tensor" in mesh:
+    if model != "llama" or "tensor" in mesh or "pipe" in mesh:
         assert traffic, "the inner step has the tensor / expert / FSDP collectives of a replica"
     assert [(c["op"], c["arrays"]) for c in _crossing(traffic, 4)] == []
     whole = collective_traffic(trainer.train_step.lower(state, batch).compile().as_text(), 8)
@@ -160,13 +162,17 @@ def test_outer_sync_moves_each_parameter_once_in_its_dtype(sync_trainers):
     assert len(sums) >= len(jax.tree.leaves(state["params"])), sums
     assert sum("bf16" in s for s in sums) == len(jax.tree.leaves(state["params"])), sums
     sent["bfloat16"] /= 2
-    params = trainer.abstract_state()["params"]
-    local = sum(np.prod(s.shard_shape(a.shape)) for a, s in zip(jax.tree.leaves(params),
-                                                                jax.tree.leaves(trainer.param_shardings)))
-    fp32_ring = 2 * (2 - 1) / 2 * 4 * local  # a ring all-reduce over 2 replicas of fp32 parameters
-    print({k: v / fp32_ring for k, v in sent.items()})
-    # Streaming, 2 fragments: each sync moves its own fragment alone; together, the parameters once.
-    config = _diloco(tiny_config(), every=2, data=2, tensor=2)
+
+    def fp32_ring(trainer):  # a ring all-reduce over 2 replicas of one device's share of the fp32 parameters
+        params = trainer.abstract_state()["params"]
+        local = sum(np.prod(s.shard_shape(a.shape)) for a, s in zip(jax.tree.leaves(params),
+                                                                    jax.tree.leaves(trainer.param_shardings)))
+        return 2 * (2 - 1) / 2 * 4 * local
+    ring = fp32_ring(trainer)
+    print({k: v / ring for k, v in sent.items()})
+    # Streaming, 2 fragments: each sync moves its own fragment alone; together, the parameters once (also
+    # when a fragment is one pipeline rank's layers: its exchange splits another dim over `pipe`).
+    config = _diloco(tiny_config(), every=2, pipe=2, tensor=2)
     config.diloco.fragments = 2
     streaming = Trainer(config, devices=jax.devices())
     state = streaming.abstract_state()
@@ -175,12 +181,13 @@ def test_outer_sync_moves_each_parameter_once_in_its_dtype(sync_trainers):
         sync = jax.jit(lambda g, d, x, f=f: streaming.path.sync(g, d, x, f))
         text = sync.lower(state["params"], state["diloco"], state["diloco"]["params"]).compile().as_text()
         parts.append(sum(c["sent"] for c in _crossing(collective_traffic(text, 8), 4)))
-    print("fragments", [p / fp32_ring for p in parts])
-    assert all(0 < p < fp32_ring for p in parts)
-    assert fp32_ring <= sum(parts) <= fp32_ring * 1.01
-    assert fp32_ring <= sent["float32"] <= fp32_ring * 1.01
-    assert fp32_ring / 2 <= sent["bfloat16"] <= fp32_ring / 2 * 1.01
-    assert fp32_ring / 4 <= sent["int8"] <= fp32_ring / 4 * 1.05
+    pipelined = fp32_ring(streaming)
+    print("fragments", [p / pipelined for p in parts])
+    assert all(0 < p < pipelined for p in parts)
+    assert pipelined <= sum(parts) <= pipelined * 1.01
+    assert ring <= sent["float32"] <= ring * 1.01
+    assert ring / 2 <= sent["bfloat16"] <= ring / 2 * 1.01
+    assert ring / 4 <= sent["int8"] <= ring / 4 * 1.05
 
 
 def _fragment(tree, f, fragments, layers=2):
@@ -208,18 +215,20 @@ def _int8(x, per_layer):
     return np.round(x / scale).astype(np.int8).astype(np.float32) * scale
 
 
-@pytest.mark.parametrize("fragments,overlap,dtype", [(1, 0, "float32"), (2, 0, "float32"), (2, 1, "float32"),
-                                                     (1, 0, "int8")],
-                         ids=["nesterov", "streaming", "streaming-overlap", "int8-error-feedback"])
-def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype):
+@pytest.mark.parametrize("fragments,overlap,dtype,mesh", [
+    (1, 0, "float32", dict(data=2, tensor=2)), (2, 0, "float32", dict(pipe=2, tensor=2)),
+    (2, 1, "float32", dict(data=2, tensor=2)), (1, 0, "int8", dict(data=2, tensor=2))],
+    ids=["nesterov", "streaming-pipe=2", "streaming-overlap", "int8-error-feedback"])
+def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     """H=4, outer Nesterov SGD (lr 0.7, momentum 0.9), AdamW inside, 7 steps (syncs, then part of an inner
     phase): the global parameters and each replica's equal a loop written here, with one single-device run
     per replica on its own rows and the outer steps in numpy. Streaming: 2 fragments (a layer each, the
     embedding and head with the first) at steps 0 and 2 (mod 4); with overlap the exchange of the
     parameters after step t is applied after step t+1 and mixed half and half into the replicas'. int8:
-    each replica's pseudo-gradient plus its carried rounding error, rounded to int8 (a scale per layer)."""
+    each replica's pseudo-gradient plus its carried rounding error, rounded to int8 (a scale per layer).
+    Streaming runs replicas of a 1f1b pipeline (a fragment is one pipeline rank's layer)."""
     steps, every, lr, mu, mix = 7, 4, 0.7, 0.9, 0.5
-    config = _diloco(tiny_config(), every=every, lr=lr, momentum=mu, dtype=dtype, data=2, tensor=2)
+    config = _diloco(tiny_config(), every=every, lr=lr, momentum=mu, dtype=dtype, **mesh)
     config.diloco.update(fragments=fragments, overlap=overlap, mix=mix)
     trainer = Trainer(config, devices=jax.devices())
     data = make_dataset(config)
@@ -273,14 +282,15 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype):
 
 
 def test_a_diloco_run_evaluates_checkpoints_and_resumes_exactly_mid_phase(tmp_path):
-    """bf16, int8 pseudo-gradients with error feedback, H=3: 4 steps, then a rerun to 5 (the checkpoint at
-    step 4 is one step into an inner phase) ends where an uninterrupted run of 5 steps ends; eval runs on
-    the global parameters, and the outer metrics are logged on the sync step."""
+    """bf16, int8 pseudo-gradients with error feedback, H=3, replicas of a 1f1b pipeline over FSDP: 4
+    steps, then a rerun to 5 (the checkpoint at step 4 is one step into an inner phase) ends where an
+    uninterrupted run of 5 steps ends; eval runs on the global parameters, and the outer metrics are logged
+    on the sync step."""
     from helpers import read_metrics
     from parallax.train import train_and_evaluate
 
     def config(steps):
-        c = _diloco(tiny_config(), every=3, lr=0.7, momentum=0.9, dtype="int8", fsdp=2, data=2)
+        c = _diloco(tiny_config(), every=3, lr=0.7, momentum=0.9, dtype="int8", fsdp=2, pipe=2)
         c.model.dtype = "bfloat16"
         c.train.update(steps=steps, eval_every=4, checkpoint_every=4, log_every=1)
         c.optim.decay_steps = 5
@@ -303,8 +313,10 @@ def test_a_diloco_run_evaluates_checkpoints_and_resumes_exactly_mid_phase(tmp_pa
 def test_diloco_config_errors_name_the_fix(tmp_path):
     from parallax.train import train_and_evaluate
 
-    with pytest.raises(ConfigError, match="DiLoCo does not run pipelines yet"):
-        make_plan(_diloco(tiny_config(), pipe=2, data=2), 8)
+    with pytest.raises(ConfigError, match="replica=2 with pipeline.schedule='2bw'.*use pipeline.schedule='1f1b'"):
+        steady = _diloco(tiny_config(), pipe=2, data=2)
+        steady.pipeline.schedule = "2bw"
+        make_plan(steady, 8)
     with pytest.raises(ConfigError, match="sync_every=0"):
         make_plan(_diloco(tiny_config(), every=0, data=4), 8)
     with pytest.raises(ConfigError, match="pseudo_grad_dtype='fp8'"):

@@ -63,11 +63,13 @@ class StepPath:
     def batch_shardings(self) -> dict:
         return {k: NamedSharding(self.mesh, self.batch_spec(k)) for k in abstract_batch(self.plan.config)}
 
-    def split_microbatches(self, batch, m: int):
-        """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local."""
+    def split_microbatches(self, batch, m: int, replicas: bool = False):
+        """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local
+        (`replicas`: rows split over DiLoCo's `replica` axis first)."""
         def split(key, x):
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, *self.batch_spec(key))))
+            spec = sharding.with_replica_rows(self.batch_spec(key)) if replicas else self.batch_spec(key)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, *spec)))
         return {k: split(k, x) for k, x in batch.items()}
 
     # --- the loss -------------------------------------------------------------------------------------

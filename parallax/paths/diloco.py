@@ -39,8 +39,11 @@ optax.sgd's rule) so that a fragment's step touches its own slice of the momentu
 
 The inner loss is each replica's own token mean (its rows' weight total), and the pseudo-gradients are
 averaged with equal weights, as in the paper. Metrics stay [R] on the devices (averaging them there would
-be a collective over `replica` at every step) and are averaged on the host. Not yet: pipelines
-(`mesh.pipe > 1`: see docs/diloco.md).
+be a collective over `replica` at every step) and are averaged on the host.
+
+Pipelines (`mesh.pipe > 1`, flushing schedules): the executor runs the R replicas' pipelines in one region
+with `replica` as one more manual axis (`Layout.replicas`); its sums and gradients are divided by each
+replica's weight total here.
 """
 
 from __future__ import annotations
@@ -62,11 +65,30 @@ from parallax.mesh import REPLICA
 from parallax.parallel.manual import shard_loss
 from parallax.parallel.tensor import reduction_dtype
 from parallax.paths.base import StepPath
+from parallax.paths.pipeline import PipelinePath
 
 
 def _stacked(s: NamedSharding) -> NamedSharding:
     """The sharding of a leaf stacked [R, ...] over replicas from that of one replica's leaf."""
     return NamedSharding(s.mesh, P(REPLICA, *s.spec))
+
+
+def _fit_spec(shape, spec: P, sizes) -> P:
+    """`spec` for an array of `shape` cut from one it fits (a fragment of a layer stack): the axes of a dim
+    they no longer divide (a fragment's layers, split over `pipe`) move to the largest dim that nothing splits
+    and that they divide, so that each parameter still travels over `replica` once; else that dim is whole."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    moved = []
+    for i, entry in enumerate(entries):
+        axes = sharding.spec_axes(entry)
+        if axes and shape[i] % int(np.prod([sizes[a] for a in axes])):
+            entries[i], moved = None, moved + list(axes)
+    if moved:
+        n = int(np.prod([sizes[a] for a in moved]))
+        free = [i for i, entry in enumerate(entries) if entry is None and shape[i] % n == 0]
+        if free:
+            entries[max(free, key=lambda i: shape[i])] = tuple(moved)
+    return P(*entries)
 
 
 class DilocoPath(StepPath):
@@ -84,6 +106,8 @@ class DilocoPath(StepPath):
         from parallax.paths import PATHS  # the inner path: the one this plan would run without replicas
 
         self.inner = next(c for c in PATHS if c is not DilocoPath and c.runs(plan))(plan, mesh)
+        # A pipeline (flushing schedules): R independent pipelines in one executor run (`Layout.replicas`).
+        self.pipelined = isinstance(self.inner, PipelinePath)
         self.replicas = plan.sizes[REPLICA]
         if isinstance(mesh, jax.sharding.Mesh) and jax.process_count() > 1:
             # Each replica within one process (host) keeps every inner collective off the network between them.
@@ -139,7 +163,10 @@ class DilocoPath(StepPath):
     def sum(self, params, batch):
         """The global parameters' loss sum over the global batch (eval): each replica's rows on its own
         devices, the R sums added (the one collective over `replica`: a scalar)."""
-        return jnp.sum(self.replica_terms(self._stack(params), batch)[0])
+        stacked = self._stack(params)
+        if self.pipelined:
+            return jnp.sum(self.inner.replica_sums(stacked, batch))
+        return jnp.sum(self.replica_terms(stacked, batch)[0])
 
     def sum_and_grads(self, params, batch):
         """The synchronous gradient of the global parameters (tools; training uses `replica_grads`)."""
@@ -164,6 +191,10 @@ class DilocoPath(StepPath):
             return jnp.sum(losses / totals), (losses / totals, aux)
 
         def grads_of(b):
+            if self.pipelined:  # the executor's sums and their gradients, each replica's over its total
+                sums, grads, aux = self.inner.replica_sums_and_grads(stacked, b)
+                per = lambda g: g.astype(jnp.float32) / totals.reshape(-1, *(1,) * (g.ndim - 1))
+                return sums / totals, jax.tree.map(per, grads), aux
             (_, (losses, aux)), grads = jax.value_and_grad(objective, has_aux=True)(stacked, b)
             return losses, jax.tree.map(lambda g: g.astype(jnp.float32), grads), jax.lax.stop_gradient(aux)
 
@@ -323,7 +354,8 @@ class DilocoPath(StepPath):
         part = lambda tree, stacked=False: self._part(tree, f, stacked)
         g = part(glob)
         error = part(inner["error"], True) if "error" in inner else None
-        specs = {k: v for k, v in self.param_specs.items() if k == "blocks" or f == 0}  # a cut keeps its spec
+        specs = {k: v for k, v in self.param_specs.items() if k == "blocks" or f == 0}
+        specs = jax.tree.map(lambda a, s: _fit_spec(a.shape, s, self.plan.sizes), g, specs)  # a cut's spec
         mean, error, square = self.mean_pseudo_grad(g, part(exchanged, True), error, specs)
         # SGD on the pseudo-gradient, as optax.sgd: m = mu m + delta; step = delta + mu m (Nesterov) or m
         out = dict(inner)

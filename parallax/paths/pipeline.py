@@ -11,6 +11,7 @@ every layout.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -141,25 +142,29 @@ class PipelinePath(StepPath):
             return model(rest_params).loss(x, mb, par)
         return {"first_fn": first_fn, "layer_fn": layer_fn, "last_fn": last_fn}
 
-    def executor_args(self, params, batch, schedule) -> dict:
-        """The keyword arguments of the executor's entry points for `params` and `batch` under `schedule`."""
+    def executor_args(self, params, batch, schedule, replicas: bool = False) -> dict:
+        """The keyword arguments of the executor's entry points for `params` and `batch` under `schedule`.
+        `replicas` (DiLoCo): every params leaf has a leading [R] dim (`Layout.replicas`)."""
         rest = {k: v for k, v in params.items() if k != "blocks"}
+        to_layout = functools.partial(to_pipeline_layout, schedule=schedule)
         laid_out = batch
         if self.outer_par.zigzag:  # each seq rank's contiguous shard is then its zigzag chunks (i, 2s-1-i)
             laid_out = jax.tree.map(lambda a: sequence.ring_layout(a, self.outer_par.seq, axis=1), batch)
         return dict(
             **self.functions(),
-            params={"first": _subtree(rest, self.first_keys), "stages": to_pipeline_layout(params["blocks"], schedule),
+            params={"first": _subtree(rest, self.first_keys),
+                    "stages": (jax.vmap(to_layout) if replicas else to_layout)(params["blocks"]),
                     "last": _subtree(rest, self.last_keys)},
-            inputs=self.split_microbatches(laid_out, schedule.num_microbatches), mesh=self.mesh,
+            inputs=self.split_microbatches(laid_out, schedule.num_microbatches, replicas=replicas), mesh=self.mesh,
             batch_axes=self.plan.batch_axes, param_specs=self.param_specs, input_spec=self.input_spec,
-            routed_inputs=self.routed)
+            routed_inputs=self.routed, replicas=replicas)
 
-    def unstage(self, params, grads, schedule):
+    def unstage(self, params, grads, schedule, replicas: bool = False):
         """Executor gradients `{first, stages, last}` -> the layout of `params`."""
         rest = {k: v for k, v in params.items() if k != "blocks"}
+        from_layout = functools.partial(from_pipeline_layout, schedule=schedule)
         return {**_combine(rest, grads["first"], grads["last"]),
-                "blocks": from_pipeline_layout(grads["stages"], schedule)}
+                "blocks": (jax.vmap(from_layout) if replicas else from_layout)(grads["stages"])}
 
     # --- the loss -------------------------------------------------------------------------------------
 
@@ -175,6 +180,22 @@ class PipelinePath(StepPath):
                                                **self.executor_args(params, batch, schedule))
         aux = from_pipeline_layout(out[2], schedule) if self.stage_aux else {}
         return out[0], self.unstage(params, out[1], schedule), aux
+
+    # --- DiLoCo replicas (`parallax.paths.diloco`): R independent pipelines, params [R, ...] --------------
+
+    def replica_sums(self, stacked, batch):
+        """[R]: each replica's weighted loss sum over its own rows of `batch` (`Layout.replicas`)."""
+        return executor.pipeline_loss(self.schedule, stage_aux=self.stage_aux,
+                                      **self.executor_args(stacked, batch, self.schedule, replicas=True))
+
+    def replica_sums_and_grads(self, stacked, batch):
+        """`sum_and_grads` of each replica on its own rows: ([R] sums, gradients [R, ...], aux [R, ...])."""
+        schedule = self.schedule
+        out = executor.pipeline_value_and_grad(schedule, remat=bool(self.plan.config.pipeline.remat),
+                                               stage_aux=self.stage_aux,
+                                               **self.executor_args(stacked, batch, schedule, replicas=True))
+        aux = jax.vmap(functools.partial(from_pipeline_layout, schedule=schedule))(out[2]) if self.stage_aux else {}
+        return out[0], self.unstage(stacked, out[1], schedule, replicas=True), aux
 
 
 class _Tracing(NamedTuple):

@@ -25,7 +25,7 @@ from parallax.pipeline.stage import Stage
 
 def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None,
                             layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
-                            input_spec=P(), stage_aux=False, routed_inputs=None):
+                            input_spec=P(), stage_aux=False, routed_inputs=None, replicas=False):
     """Loss and gradients of a pipelined model, running `schedule` over the mesh axis `pipe`.
 
     The model is `sum_mb last_fn(last, stage_{S-1}(... stage_0(first_fn(first, mb)) ...), mb)`. Give either
@@ -47,6 +47,9 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
       invariant over it and not summed). remat: store each chunk's input only and recompute its forward.
     routed_inputs: {key: 'first' | 'last'} for inputs only first_fn or only last_fn reads: split over `pipe`
       along dim 2 as well, gathered on the rank that reads them (`Layout.gather`).
+    replicas: R independent pipelines over the mesh axis `replica` (DiLoCo): every params leaf has a leading
+      [R] dim split over it, the input rows are split over it first, and every result gains a leading [R]
+      dim: replica r's, from its own weights and rows. Nothing is summed over `replica`.
 
     Returns (loss, grads[, stats]): grads in the structure and layout of `params`, fp32, equal to
     `jax.value_and_grad` of the unpipelined model; stats leaves `[p, v, ...]`. Every weight is cast to
@@ -58,29 +61,32 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     if schedule.steady:
         raise ValueError(f"{schedule.name} is a steady schedule: run it with pipeline_steady_step")
     layout = Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
-                         routed_inputs=routed_inputs)
+                         routed_inputs=routed_inputs, replicas=replicas)
 
     def finish(ticks, loss, grads, stats, _):
         gw, gf, gl = grads
         loss, grads = layout.reduce(loss, {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl},
                                     layout.specs, ticks.loss_axes)
-        return (loss, grads, layout.reduce_stats(stats)) if stage_aux else (loss, grads)
+        return layout.stacked((loss, grads, layout.reduce_stats(stats)) if stage_aux else (loss, grads))
     # Stats leaves are [1, v, ...] per rank, split over `pipe` (P("pipe") is a prefix spec for all of them).
-    out_specs = (P(), layout.specs, P("pipe")) if stage_aux else (P(), layout.specs)
+    out_specs = (layout.stacked_spec(P()), layout.specs, layout.stacked_spec(P("pipe")))[:3 if stage_aux else 2]
     return _run(layout, compile_schedule(schedule), (first_fn, stage_fn, layer_fn, last_fn), (params,), inputs,
                 finish, out_specs, remat=remat, stage_aux=stage_aux, split_w=True)
 
 
 def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None, layer_fn=None,
-                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False, routed_inputs=None):
+                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False, routed_inputs=None,
+                  replicas=False):
     """The loss of `pipeline_value_and_grad` alone (evaluation): the same shard_map and layout, running
     only the schedule's F actions (`compile_schedule(..., forward_only=True)`); nothing is stored for a
-    backward and no gradient is accumulated. Stages' aux losses are not included (last_fn's loss alone)."""
+    backward and no gradient is accumulated. Stages' aux losses are not included (last_fn's loss alone).
+    With `replicas`, each replica's loss [R]."""
     layout = Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
-                         routed_inputs=routed_inputs)
+                         routed_inputs=routed_inputs, replicas=replicas)
     return _run(layout, compile_schedule(schedule, forward_only=True), (first_fn, stage_fn, layer_fn, last_fn),
-                (params,), inputs, lambda ticks, loss, *_: layout.reduce(loss, {}, {}, ticks.loss_axes)[0], P(),
-                forward_only=True, stage_aux=stage_aux)
+                (params,), inputs,
+                lambda ticks, loss, *_: layout.stacked(layout.reduce(loss, {}, {}, ticks.loss_axes)[0]),
+                layout.stacked_spec(P()), forward_only=True, stage_aux=stage_aux)
 
 
 def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previous, inputs, mesh, inflight=None,
@@ -130,7 +136,7 @@ def _run(layout, prog, fns, weights, inputs, finish, out_specs, inflight=None, i
     options["layered"] = layer_fn is not None
 
     def body(*args):
-        versions = [dict(zip(("first", "stages", "last"), args[3 * i:3 * i + 3])) for i in range(k)]
+        versions = [dict(zip(("first", "stages", "last"), layout.local(args[3 * i:3 * i + 3]))) for i in range(k)]
         inputs, carried = args[3 * k], args[3 * k + 1]
         ticks = _Ticks(fns, layout.manual, versions, layout.gather(inputs), batch=layout.batch, **options)
         if carried is not None:

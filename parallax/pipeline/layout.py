@@ -8,7 +8,9 @@ one rank that reads it; `Layout.call` runs a body in the shard_map. `cast` / `ze
 varying-axis types (`vma`) the executor's carry and branches need.
 
 Axis names: `pipe` (ranks), and the batch axes (`data`, `fsdp` by default) over which microbatch rows
-are split.
+are split. With `replicas` (DiLoCo, `parallax.paths.diloco`), `replica` too: every weight has a leading
+[R] dim split over it, the rows are split over it first, and every result gains a leading [R] dim; the
+executor then runs R independent pipelines and sums nothing over `replica`.
 """
 import dataclasses
 
@@ -18,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from parallax.mesh import REPLICA
 from parallax.pipeline.schedule import Schedule
 
 
@@ -107,7 +110,7 @@ def manual_axes(mesh, batch_axes, param_specs, input_spec) -> tuple:
     """The mesh axes the executor's shard_map is manual over: `pipe`, the batch axes of size > 1, and the
     other axes of size > 1 that the specs name. A steady step's in-flight leaves are split over them."""
     batch = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1)
-    named = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(param_specs))) - {"pipe"}
+    named = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(param_specs))) - {"pipe", REPLICA}
     return ("pipe",) + batch + tuple(a for a in mesh.axis_names if a in named and a not in batch and mesh.shape[a] > 1)
 
 
@@ -120,25 +123,29 @@ class Layout:
     manual: tuple
     batch: tuple  # the batch axes of size > 1 (manual)
     routed: tuple = ()  # (input key, the pipe rank that reads it): split over `pipe` along dim 2, see `gather`
+    replicas: bool = False  # DiLoCo: weights and results [R, ...] over `replica`, rows split over it first
 
     @classmethod
     def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
-             microbatches=None, routed_inputs=None) -> "Layout":
+             microbatches=None, routed_inputs=None, replicas=False) -> "Layout":
         """Checks the arguments' shapes against the schedule and the mesh, and derives the specs."""
         p, v, m = schedule.num_ranks, schedule.num_chunks, microbatches or schedule.num_microbatches
         if mesh.shape.get("pipe") != p:
             raise ValueError(f"schedule {schedule.name} has {p} ranks but the mesh has pipe="
                              f"{mesh.shape.get('pipe')}; set mesh pipe={p}")
         batch = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1)
-        dp = int(np.prod([mesh.shape[a] for a in batch]))
+        rows = ((REPLICA,) if replicas else ()) + batch
+        dp = int(np.prod([mesh.shape[a] for a in rows]))
         for path, a in jax.tree_util.tree_leaves_with_path(inputs):
             if a.ndim < 2 or a.shape[0] != m or a.shape[1] % dp:
                 raise ValueError(f"input {jax.tree_util.keystr(path)} has shape {a.shape}; it needs [m={m}, "
-                                 f"rows, ...] with rows divisible by {dp} (the size of {batch})")
+                                 f"rows, ...] with rows divisible by {dp} (the size of {rows})")
+        lead = 1 if replicas else 0
         for path, a in jax.tree_util.tree_leaves_with_path(params["stages"]):
-            if a.shape[:2] != (p, v):
+            if a.shape[lead:lead + 2] != (p, v):
                 raise ValueError(f"stage weight {jax.tree_util.keystr(path)} has shape {a.shape}; it needs "
-                                 f"[p={p}, v={v}, ...]: convert stacked weights with to_pipeline_layout")
+                                 f"[{'R, ' * lead}p={p}, v={v}, ...]: convert stacked weights with "
+                                 f"to_pipeline_layout")
         param_specs = param_specs or {}
         specs = {}
         for key in ("first", "stages", "last"):
@@ -147,13 +154,15 @@ class Layout:
             leaf_specs = [P()] * tree.num_leaves if given is None else tree.flatten_up_to(given)
             if key == "stages":
                 leaf_specs = [P("pipe", None, *s) for s in leaf_specs]
+            if replicas:
+                leaf_specs = [P(REPLICA, *s) for s in leaf_specs]
             specs[key] = jax.tree.unflatten(tree, leaf_specs)
-        model_axes = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(specs))) - {"pipe"}
+        model_axes = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(specs))) - {"pipe", REPLICA}
         unknown = model_axes - set(mesh.axis_names)
         if unknown or set(batch) & axes_of(input_spec):
             raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
                              f"{mesh.axis_names} other than pipe, and input_spec none of the batch axes {batch}")
-        batch_spec = P(None, batch if batch else None, *input_spec)
+        batch_spec = P(None, rows if rows else None, *input_spec)
         routed = ()
         if routed_inputs:
             ranks = {"first": int(np.argwhere(schedule.stage_of == 0)[0][0]),
@@ -166,9 +175,22 @@ class Layout:
                     raise ValueError(f"routed input {key!r} -> {role!r}: expected 'first' or 'last' for an input "
                                      f"[m, rows, T] with T divisible by {' x '.join(split)} = {pieces}")
             routed = tuple((key, ranks[role]) for key, role in sorted(routed_inputs.items()))
-            batch_spec = {k: P(None, batch if batch else None, split) if k in routed_inputs else batch_spec
+            batch_spec = {k: P(None, rows if rows else None, split) if k in routed_inputs else batch_spec
                           for k in inputs}
-        return cls(mesh, specs, batch_spec, manual_axes(mesh, batch_axes, specs, input_spec), batch, routed)
+        manual = ((REPLICA,) if replicas else ()) + manual_axes(mesh, batch_axes, specs, input_spec)
+        return cls(mesh, specs, batch_spec, manual, batch, routed, replicas)
+
+    def local(self, tree):
+        """Inside the shard_map: this replica's weights (the leading [R] dim, 1 per rank, dropped)."""
+        return jax.tree.map(lambda a: a[0], tree) if self.replicas else tree
+
+    def stacked(self, tree):
+        """Inside the shard_map: results with their leading [R] dim (1 per rank) back."""
+        return jax.tree.map(lambda a: a[None], tree) if self.replicas else tree
+
+    def stacked_spec(self, spec: P) -> P:
+        """The out spec of a result of spec `spec` after `stacked`."""
+        return P(REPLICA, *spec) if self.replicas else spec
 
     def gather(self, inputs):
         """Inside the shard_map: each routed input whole on the rank that reads it (stage 0's rank for the
@@ -201,9 +223,11 @@ class Layout:
         """Inside the shard_map, after the loop: the loss summed over `loss_axes`, and each gradient leaf once
         over the manual axes its spec (`specs`, a tree like `grads`) replicates it over: the batch shards
         (and model axes such as `seq`) hold partial sums, and only the ranks holding stage 0 / the last
-        stage contributed to the first / last grads and the loss. One psum per distinct axis set."""
+        stage contributed to the first / last grads and the loss. One psum per distinct axis set; none over
+        `replica` (each replica's results are its own)."""
         leaves, tree = jax.tree.flatten((loss, grads))
         axes = [loss_axes] + [tuple(a for a in self.manual if a not in axes_of(s)) for s in jax.tree.leaves(specs)]
+        axes = [tuple(a for a in group if a != REPLICA) for group in axes]
         for group in dict.fromkeys(a for a in axes if a):
             idx = [i for i, a in enumerate(axes) if a == group]
             for i, r in zip(idx, jax.lax.psum([leaves[i] for i in idx], group)):
@@ -214,6 +238,6 @@ class Layout:
         """Stats `[v, ...]` per rank -> `[1, v, ...]` summed over the batch axes and the other manual axes
         but `pipe` they vary over (e.g. `seq`)."""
         def one(a):
-            axes = tuple(x for x in self.manual if x != "pipe" and x in vma(a))
+            axes = tuple(x for x in self.manual if x not in ("pipe", REPLICA) and x in vma(a))
             return (jax.lax.psum(a, axes) if axes else a)[None]
         return jax.tree.map(one, stats)
