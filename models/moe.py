@@ -134,11 +134,6 @@ def _grouped_swiglu(xs, sizes, ws, gather, chunks: int, mm):
     return acc.astype(xs.dtype)
 
 
-def _tie(idx):
-    """1.0 (fp32) computed from a layer's expert indices (>= 0): `Parallelism.weight`'s `tie`."""
-    return (idx.reshape(-1)[0] >= 0).astype(jnp.float32)
-
-
 def _zeros_varying_like(shape, dtype, *operands):
     """Zeros of `shape`, varying (inside a `shard_map`) over every manual axis one of `operands` varies
     over: the type of a value computed from them."""
@@ -147,7 +142,7 @@ def _zeros_varying_like(shape, dtype, *operands):
     return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
 
 
-def _per_batch_shard(fn, h, idx, gates, weights, names, dtype=None):
+def _per_batch_shard(fn, h, idx, gates, weights, names):
     """`fn(gather, h, idx, gates, *weights)` run per batch shard under the compiler's sharding (the dense
     path: no manual region): a `shard_map` over every mesh axis, the rows split over the batch axes, each
     weight entering with its own sharding (logical `names`) as `fn`'s local shard, and `gather(ws)` giving
@@ -159,22 +154,20 @@ def _per_batch_shard(fn, h, idx, gates, weights, names, dtype=None):
     flattened [B*T*k] assignments cannot be partitioned, so every device sorted, gathered and ran the whole
     global batch's tokens (Mixtral 8x7B at fsdp 64 on v5p: 241 GiB of temporaries, 23 GiB with this).
     Outside a sharding context (one device, a manual region) it is `fn` with whole weights."""
-    def cast(ws):
-        return tuple(w if dtype is None else w.astype(dtype) for w in ws)
     ctx = sharding_lib.activation_context()
     if ctx is None:
-        return fn(_whole, h, idx, gates, *cast(weights))
+        return fn(_whole, h, idx, gates, *weights)
     mesh, rules = ctx
     spec = sharding_lib.logical_to_spec(("batch",), rules, mesh)
     if not len(spec) or spec[0] is None:
-        return fn(_whole, h, idx, gates, *cast(weights))
+        return fn(_whole, h, idx, gates, *weights)
     P = jax.sharding.PartitionSpec
     rows = P(spec[0])
     batch_axes = set(sharding_lib.spec_axes(spec[0]))
     w_specs = tuple(sharding_lib.logical_to_spec(n, rules, mesh) for n in names)
     w_axes = [{a for e in s for a in sharding_lib.spec_axes(e)} for s in w_specs]
     if any(not axes <= batch_axes for axes in w_axes):  # a weight split over a non-batch axis: left to GSPMD
-        return fn(_whole, h, idx, gates, *cast(weights))
+        return fn(_whole, h, idx, gates, *weights)
     pcast = getattr(jax.lax, "pcast", None)
 
     def gather(local):
@@ -183,8 +176,7 @@ def _per_batch_shard(fn, h, idx, gates, weights, names, dtype=None):
             # Varying over the other batch axes *before* the gather: the backward then sums the shard's
             # gradient over them (a psum of 1/fsdp of the weight) and reduce-scatters, instead of all-reducing
             # the whole gathered gradient over `data`.
-            extra = tuple(a for a in mesh.axis_names
-                          if a in batch_axes and a not in axes and a not in compat.varying_axes(w))
+            extra = tuple(a for a in mesh.axis_names if a in batch_axes and a not in axes)
             if extra:
                 w = pcast(w, extra, to="varying") if pcast is not None else jax.lax.pvary(w, extra)
             for dim, entry in enumerate(w_spec):
@@ -195,10 +187,7 @@ def _per_batch_shard(fn, h, idx, gates, weights, names, dtype=None):
         return tuple(whole)
 
     def per_shard(h, idx, gates, *local):
-        # Cast here, tied to this shard's routing (`Parallelism.weight`'s `tie`): XLA:TPU otherwise hoists
-        # the cast out of the layer scans as a bf16 copy of every layer's expert weights.
-        one = _tie(idx)
-        return fn(gather, h, idx, gates, *cast(w * one.astype(w.dtype) for w in local))
+        return fn(gather, h, idx, gates, *local)
 
     region = jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, rows, rows, *w_specs), out_specs=(rows, rows, rows))
     return region(h, idx, gates, *weights)
@@ -287,10 +276,7 @@ class MoEBlocks(llama.Blocks):
     def routed(self, h, idx, gates, par):
         """The routed experts' output [B, T, D] (partial sums over `tensor`), keep mask, load [B, E]."""
         moe, dt, w = self.moe, self.cfg.compute_dtype, par.weight
-        # Dropless across expert ranks (a manual region: idx is this rank's): the cast tied to the routing
-        # (`Parallelism.weight`); on one expert rank `_per_batch_shard` ties it inside its region.
-        tie = _tie(idx) if moe.dispatch == "ragged" and par.expert > 1 else None
-        wg, wu, wd = (w(v, dt, tie) for v in (self.we_gate, self.we_up, self.we_down))  # (E/ep, D, F/t), (E/ep, F/t, D)
+        wg, wu, wd = w(self.we_gate, dt), w(self.we_up, dt), w(self.we_down, dt)  # (E/ep, D, F/t), (E/ep, F/t, D)
         h = h.astype(dt)
         if moe.dispatch == "ragged" or (par.decoding and par.expert == 1):  # decoding: every token routed
             impl = ep_lib.grouped_impl(moe.grouped_impl, par.platform)
@@ -307,8 +293,8 @@ class MoEBlocks(llama.Blocks):
                                             par.expert, buffer=float(moe.ep_buffer))
             names = [p.logical[1:] for p in (self.we_gate, self.we_up, self.we_down)]  # one layer's
             return _per_batch_shard(lambda gather, h, idx, gates, *ws: ep_lib.moe_ragged(
-                h, idx, gates, moe.num_experts, grouped_with(gather, ws, full=True)), h, idx, gates,
-                (w(self.we_gate), w(self.we_up), w(self.we_down)), names, dtype=dt)
+                h, idx, gates, moe.num_experts, grouped_with(gather, ws, full=True)), h, idx, gates, (wg, wu, wd),
+                names)
 
         def experts(xe):  # (E/ep, G, C, D)
             act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, wg)) * jnp.einsum("egcd,edf->egcf", xe, wu)

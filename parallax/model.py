@@ -346,13 +346,31 @@ def apply_blocks_aux(blocks_graphdef, stacked, x, batch, remat: str = "none", pa
     `blocks_graphdef` is `nnx.split(model.blocks)[0]`. Runs the whole stack, or one pipeline chunk of it.
     Returns (x, aux): aux the layers' aux dicts stacked over layers ({} for layers without them).
     """
-    return jax.lax.scan(lambda h, layer: apply_layer_aux(blocks_graphdef, layer, h, batch, remat, par), x, stacked)
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+
+    def step(h, xs):
+        layer, index = xs
+        # remat 'none' saves the tied weights as residuals (a stacked fp32 copy): no tie there (its saved bf16
+        # casts are that copy anyway).
+        return apply_layer_aux(blocks_graphdef, layer, h, batch, remat, par,
+                               tie=None if remat == "none" else index >= 0)
+    return jax.lax.scan(step, x, (stacked, jnp.arange(layers)))
 
 
-def apply_layer_aux(blocks_graphdef, layer, x, batch, remat: str = "none", par: Parallelism = DENSE):
+def apply_layer_aux(blocks_graphdef, layer, x, batch, remat: str = "none", par: Parallelism = DENSE, tie=None):
     """One block (its parameters `layer`: a pure dict without the layers dim) under the remat policy ->
-    (x, aux dict). The pipeline executor runs a stage's layers with it, one vjp per layer."""
+    (x, aux dict). The pipeline executor runs a stage's layers with it, one vjp per layer.
+
+    `tie`: a true boolean that varies from layer to layer (the scan's `index >= 0`): every floating weight
+    is multiplied by it, exactly, before the layer casts it. XLA:TPU otherwise turns the cast of a layer's
+    slice of the stacked weights into a slice of the whole stack cast once, hoisted out of the layer scans:
+    a bf16 copy of every layer's weights, live through the forward and backward (1.3 GiB a chip for
+    Mixtral 8x7B's experts at fsdp 64; an optimization barrier does not stop it: XLA removes barriers
+    first). A value that differs per layer cannot be hoisted; the product fuses into the cast."""
     def body(h, layer_params):
+        if tie is not None:
+            layer_params = jax.tree.map(
+                lambda p: p * tie.astype(p.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, layer_params)
         return _split_aux(nnx.merge(blocks_graphdef, layer_params).layer(h, batch, par))
 
     body = jax.checkpoint(body, policy=_REMAT_POLICIES.get(remat, _all_but_gathered), prevent_cse=False)

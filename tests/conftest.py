@@ -22,6 +22,10 @@ if os.environ.get("PARALLAX_TEST_XLA_DEFAULTS", "0") != "1":
 # drop XLA_FLAGS and set their own device counts (they run with XLA's default code generation).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_flags]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The TPU-compiler tests (Python 3.12 leg: libtpu, compile-only topology devices) run in two xdist workers and
+# in `launch/plan.py` subprocesses at once; a process that has loaded libtpu holds its lockfile until it exits,
+# and the next one to load it fails ("libtpu multi-process lockfile"). Nothing here opens a TPU.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 

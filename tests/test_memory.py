@@ -62,6 +62,34 @@ def test_plan_compiles_for_a_tpu_topology_and_checks_the_mesh_against_its_device
     assert "(4 devices)" in mismatched.stderr and "has 8 devices" in mismatched.stderr
 
 
+@pytest.mark.parametrize("model", ["llama", "moe"])
+def test_tpu_compiler_keeps_the_weights_cast_inside_the_layer_scan(model):
+    """XLA:TPU turns the bf16 cast of a layer's slice of the stacked fp32 weights into a slice of the whole
+    stack cast once, at the top of the program (a bf16 copy of every layer's weights through both layer
+    scans: 1.3 GiB a chip for Mixtral 8x7B's experts). The layer scan ties each weight to the layer's index
+    (`parallax.model.apply_layer_aux`), so no convert at the top level yields a stacked [L, ...] weight
+    (without the tie: 7 here, for both models, dropless MoE included)."""
+    pytest.importorskip("libtpu")
+    import re
+
+    from parallax.memory import tpu_devices
+    from parallax.plan import abstract_batch, make_plan
+    from parallax.trainer import Trainer
+
+    config = tiny_config(model, fsdp=4)
+    config.model.update(dtype="bfloat16", remat="full", num_layers=4)
+    if model == "moe":
+        config.model.moe.dispatch = "ragged"
+    trainer = Trainer(make_plan(config, 4, "tpu"), devices=tpu_devices("v5p:2x2x1"))
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
+             for k, a in abstract_batch(config).items()}
+    # The grouped matmuls' Mosaic kernels refuse the suite's fp32 matmul precision on bf16 operands.
+    with jax.default_matmul_precision("default"):
+        text = trainer.train_step.lower(trainer.abstract_state(), batch).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    assert re.findall(r"= (bf16\[4,[0-9,]*\])\S* convert\(", entry) == []
+
+
 def test_plan_for_a_tpu_topology_without_libtpu_says_how_to_install_it():
     if importlib.util.find_spec("libtpu") is not None:
         pytest.skip("libtpu is installed")

@@ -166,20 +166,11 @@ class Parallelism:
                 w = checkpoint_name(_gather_cast(w, gather, dim, jnp.dtype(dtype or w.dtype), w_dtype), GATHERED)
         return w if dtype is None else w.astype(dtype)
 
-    def weight(self, var, dtype=None, tie=None):
+    def weight(self, var, dtype=None):
         """The value of parameter `var` as this rank uses it: FSDP shards gathered (`unshard`), the `tensor`
         split kept, cast to `dtype` if given (before the gather: half the bytes moved for bf16). Inside the
-        layer scan `var` is one layer's slice, so its leading `layers` name is dropped.
-
-        `tie`: a scalar equal to 1 computed from this layer's activations (e.g. from its routing), multiplied
-        in before the cast. XLA:TPU turns the cast of a layer's slice of stacked weights into a slice of the
-        whole stack cast once, hoisted out of the layer scans: a `dtype` copy of every layer's weights live
-        through the forward and backward scans (1.31 GiB a chip for Mixtral 8x7B's experts at fsdp 64). A
-        value that depends on the layer's data cannot be hoisted (an optimization barrier can: XLA removes
-        it first)."""
+        layer scan `var` is one layer's slice, so its leading `layers` name is dropped."""
         value = var[...]
-        if tie is not None:
-            value = value * tie.astype(value.dtype)
         names = tuple(var.get_metadata()["logical"])
         return self.unshard(value, names[len(names) - value.ndim:], dtype)
 
