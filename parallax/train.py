@@ -381,7 +381,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
     while step < t.steps:
         if profiler is not None:
             profiler.before(step + 1)
-        state, metrics = trainer.train_step(state, batch)  # dispatched asynchronously
+        state, metrics = trainer.train_step_at(step)(state, batch)  # dispatched asynchronously
         step += 1
         batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
         metrics = trainer.path.fetch_metrics(metrics)  # the next batch was built while the device ran this step

@@ -11,7 +11,10 @@ as training, forward only.
 
 from __future__ import annotations
 
+import functools
+
 from absl import logging
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -83,9 +86,8 @@ class Trainer:
 
         self._init = jax.jit(self._init_state, static_argnums=0, out_shardings=self.state_shardings)
         self.loss_and_grads = jax.jit(self._loss_and_grads, out_shardings=(replicated, self.param_shardings))
-        self.train_step = jax.jit(self._train_step, donate_argnums=0,
-                                  in_shardings=(self.state_shardings, self.batch_shardings),
-                                  out_shardings=(self.state_shardings, self.path.metrics_sharding()))
+        self.train_step = self._jit_step(None)
+        self._steps_by_kind = {None: self.train_step}
         self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
 
     @property
@@ -108,8 +110,23 @@ class Trainer:
         """Mean token loss over the global batch and its gradients, accumulated over microbatches in fp32."""
         return self.path.loss_grads_aux(params, batch)[:2]
 
-    def _train_step(self, state, batch):
-        return self.path.train_step(self.update, state, batch)
+    def _jit_step(self, kind):
+        return jax.jit(functools.partial(self._train_step, kind=kind), donate_argnums=0,
+                       in_shardings=(self.state_shardings, self.batch_shardings),
+                       out_shardings=(self.state_shardings, self.path.metrics_sharding()))
+
+    def train_step_at(self, step: int):
+        """The jitted train step for the step that starts at `step` (an int on the host): `train_step`, or,
+        for a path whose steps differ in kind (`StepPath.step_kind`), that kind's own program (compiled on
+        its first use)."""
+        kind = self.path.step_kind(step)
+        if kind not in self._steps_by_kind:
+            self._steps_by_kind[kind] = self._jit_step(kind)
+        return self._steps_by_kind[kind]
+
+    def _train_step(self, state, batch, kind=None):
+        return self.path.train_step(self.update, state, batch, kind) if kind is not None else \
+            self.path.train_step(self.update, state, batch)
 
     def update(self, state, batch, loss, grads, aux, completed=True):
         """The step after applying `grads` (of `batch`, mean `loss`) with the optimizer: (state of

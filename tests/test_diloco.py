@@ -224,7 +224,9 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     phase): the global parameters and each replica's equal a loop written here, with one single-device run
     per replica on its own rows and the outer steps in numpy. Streaming: 2 fragments (a layer each, the
     embedding and head with the first) at steps 0 and 2 (mod 4); with overlap the exchange of the
-    parameters after step t is applied after step t+1 and mixed half and half into the replicas'. int8:
+    parameters after step t is applied after step t+1 and mixed half and half into the replicas' (run by the
+    programs the training loop picks per kind of step, `Trainer.train_step_at`; the others by the one
+    program that decides on the device). int8:
     each replica's pseudo-gradient plus its carried rounding error, rounded to int8 (a scale per layer).
     Streaming runs replicas of a 1f1b pipeline (a fragment is one pipeline rank's layer)."""
     steps, every, lr, mu, mix = 7, 4, 0.7, 0.9, 0.5
@@ -233,8 +235,9 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     trainer = Trainer(config, devices=jax.devices())
     data = make_dataset(config)
     state = trainer.init_state()
-    for step in range(steps):
-        state, _ = trainer.train_step(state, trainer.device_batch(_batch(data, step)))
+    for step in range(steps):  # overlap: each kind of step its own program, as the training loop runs them
+        run = trainer.train_step_at(step) if overlap else trainer.train_step
+        state, _ = run(state, trainer.device_batch(_batch(data, step)))
     got = jax.device_get(state)
 
     half = tiny_config()

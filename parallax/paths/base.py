@@ -147,9 +147,17 @@ class StepPath:
         """The shardings of `init_opt_state`'s leaves, given those of `tx.init(params)`."""
         return shardings
 
-    def train_step(self, update, state, batch):
+    def step_kind(self, step: int):
+        """Which program runs the step that starts at `step` (a hashable; None: the one program, which
+        decides from the state's step on the device). A path whose steps differ in kind (DiLoCo's sync
+        steps) names them, and the training loop runs each kind's own compiled program
+        (`Trainer.train_step_at`), so nothing sits in a conditional on the device."""
+        return None
+
+    def train_step(self, update, state, batch, kind=None):
         """(state, metrics) after one step; `update(state, batch, loss, grads, aux)` is the trainer's
-        optimizer update. Synchronous: the gradient of this batch at this step's weights."""
+        optimizer update; `kind`: `step_kind` of this step, or None. Synchronous: the gradient of this
+        batch at this step's weights."""
         loss, grads, aux = self.loss_grads_aux(state["params"], batch)
         return update(state, batch, loss, grads, aux)
 

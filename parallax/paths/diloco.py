@@ -32,9 +32,10 @@ also in the middle of an inner phase; a checkpoint resumes with the same `mesh.r
 Streaming DiLoCo (arXiv 2501.18512): `diloco.fragments=F` cuts the layer stack into F layer ranges (the
 parameters outside it go with the first) synced at staggered steps, t = f H / F (mod H); `diloco.overlap=1`
 exchanges the parameters after step t during step t + 1 and applies the result after that step's inner
-step, mixing it into the replicas' fragment with `diloco.mix` (the paper's tau = 1 semantics; the exchange
-sits in a conditional branch, which XLA runs as one operation, so it does not yet run under the inner
-step's compute: see docs/diloco.md). The outer optimizer is written out (SGD with Nesterov momentum,
+step, mixing it into the replicas' fragment with `diloco.mix` (the paper's tau = 1 semantics). The training
+loop runs each kind of step (no sync, fragment f's sync: `step_kind`) as its own program, so the exchange
+is at the top level of the step rather than in a conditional, and with overlap independent of the inner
+step (see docs/diloco.md for what the TPU compiler does with it). The outer optimizer is written out (SGD with Nesterov momentum,
 optax.sgd's rule) so that a fragment's step touches its own slice of the momentum alone.
 
 The inner loss is each replica's own token mean (its rows' weight total), and the pseudo-gradients are
@@ -49,6 +50,7 @@ replica's weight total here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from absl import logging
 import jax
@@ -241,16 +243,33 @@ class DilocoPath(StepPath):
     def opt_state_shardings(self, shardings):
         return jax.tree.map(_stacked, shardings)
 
-    def train_step(self, update, state, batch):
-        """One inner step on every replica, then the outer sync of the fragment whose turn it is, if any (a
-        `lax.switch`: the other steps run no collective over `replica`). The sync point t is the number of
-        inner steps the exchanged parameters have taken: with `overlap=0` the replicas' parameters after
-        this step; with `overlap=1` those it started from, applied after this step's inner step."""
-        before = state["step"]
+    def _due(self, before):
+        """Per fragment, whether it syncs in the step that starts at step `before` (an int or a traced
+        scalar). The sync point t is the number of inner steps the exchanged parameters have taken: with
+        `overlap=0` the replicas' parameters after this step; with `overlap=1` those it started from."""
+        point = before if self.overlap else before + 1
+        return [((point - o) % self.every == 0) & (point > 0) for o in self.offsets]
+
+    def step_kind(self, step: int):
+        """The fragment that syncs in the step starting at `step`, or -1: the training loop runs each kind's
+        own program, so the exchange is at the top level of the step, not in a conditional; with
+        `overlap=1` it does not depend on the inner step, and XLA's scheduler can run it under the inner
+        step's compute (a conditional runs as one operation after all its operands)."""
+        return next((f for f, due in enumerate(self._due(step)) if due), -1)
+
+    def train_step(self, update, state, batch, kind=None):
+        """One inner step on every replica, then the outer sync of the fragment whose turn it is, if any.
+        `kind` (`step_kind`, from the host): that fragment's sync, or none (-1). None: decided on the
+        device by a `lax.switch` on the step (the other steps run no collective over `replica`). With
+        `overlap=1` the exchange takes the parameters this step started from and is applied after its
+        inner step."""
         new, metrics = self.inner_step(update, state, batch)
-        point = before if self.overlap else new["step"]
         exchanged = (state if self.overlap else new)["diloco"]["params"]
-        due = [((point - o) % self.every == 0) & (point > 0) for o in self.offsets]
+        if kind is not None:
+            fn = self._no_sync if kind < 0 else functools.partial(self.sync, f=kind)
+            glob, inner, metrics["path"] = fn(new["params"], new["diloco"], exchanged)
+            return {**new, "params": glob, "diloco": inner}, metrics
+        due = self._due(state["step"])
         index = jnp.int32(self.fragments)
         for f in reversed(range(self.fragments)):
             index = jnp.where(due[f], f, index)
