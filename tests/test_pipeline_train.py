@@ -10,7 +10,7 @@ from parallax.trainer import Trainer
 
 TOL = 1e-5
 LAYERS = 8  # divisible into p * v stages for p in {2, 4}, v in {1, 2}
-VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}
+VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2, "v_half": 2, "v_min": 2}
 
 
 def _config(schedule="1f1b", remat=False, **mesh):
@@ -26,7 +26,7 @@ def reference():
     return loss_grads_and_steps(_config(), jax.devices()[:1], steps=5)
 
 
-CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv") for p in (2, 4)]
+CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv") for p in (2, 4)] + [("v_half", 4), ("v_min", 4)]
 
 
 @pytest.mark.slow

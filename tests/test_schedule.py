@@ -32,7 +32,8 @@ def test_every_generator_output_validates(name):
             s = make_schedule(name, p, m, v)
             validate(s)
             assert s.table.shape == (s.num_ticks, p, 4)
-            assert s.num_chunks == (v if name == "interleaved_1f1b" else 2 if name == "zbv" else 1)
+            assert s.num_chunks == (v if name == "interleaved_1f1b" else 2 if name in ("zbv", "v_half", "v_min")
+                                    else 1)
 
 
 def _async(name, p, m, v=1):
@@ -62,6 +63,19 @@ def test_zb_h1_bubble_is_about_a_third_of_1f1b_at_1f1b_memory():
             assert zb.bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
             assert zb.bubble < 0.42 * ref.bubble
             assert zb.peak_slots == ref.peak_slots == p
+
+
+def test_v_schedules_hold_a_fraction_of_zbv_activations_with_a_bubble_below_1f1b():
+    """V-Half and V-Min (the controllable-memory building blocks, squeezed): at p = 4 and 8 with m = 4p,
+    peak live chunk activations at most 3/4 (V-Half) and 1/2 (V-Min) of zbv's (1F1B's memory), and the
+    bubble at unit costs below 1F1B's (p-1)/(m+p-1)."""
+    for p in (4, 8):
+        m = 4 * p
+        zbv_peak = _async("zbv", p, m).peak_slots
+        for name, share in (("v_half", 0.75), ("v_min", 0.5)):
+            v = _async(name, p, m)
+            assert v.peak_slots <= share * zbv_peak, (name, p, v.peak_slots, zbv_peak)
+            assert v.bubble < (p - 1) / (m + p - 1), (name, p, v.bubble)
 
 
 def test_zbv_bubble_is_within_four_ticks_of_the_startup_bound():
@@ -268,7 +282,8 @@ def test_cli_prints_summary_and_exits_2_on_bad_arguments():
     (("zbv", 4, 8, 3), "zbv always holds 2 chunks per rank, got virtual_stages=3; set it to 2"),
     (("zb_h1", 4, 8, 2), "zb_h1 holds one chunk per rank, got virtual_stages=2; set it to 1 or use "
                          "interleaved_1f1b"),
-    (("pipedream", 4, 8), "unknown schedule 'pipedream'; set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, 2bw"),
+    (("pipedream", 4, 8), "unknown schedule 'pipedream'; set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min, "
+                             "2bw"),
 ])
 def test_make_schedule_error_messages_are_exact(args, message):
     # These reach the user verbatim (the CLI and the trainer print them as the one-line error).
@@ -478,7 +493,7 @@ def test_2bw_needs_microbatches_at_least_stages_and_has_no_flushing_timing():
         make_schedule("2bw", 2, 4, 2)
     with pytest.raises(ValueError, match=r"2bw is steady"):
         simulate(make_schedule("2bw", 2, 4))
-    with pytest.raises(ScheduleError, match=r"set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, 2bw$"):
+    with pytest.raises(ScheduleError, match=r"set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min, 2bw$"):
         make_schedule("pipedream", 2, 4)
 
 

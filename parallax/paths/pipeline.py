@@ -31,7 +31,7 @@ from parallax.plan import abstract_batch
 
 
 class PipelinePath(StepPath):
-    """A flushing pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv) over `pipe`.
+    """A flushing pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min) over `pipe`.
 
     With tensor / sequence parallelism every stage runs per rank as in `shard_loss`: weights split over
     `tensor`, microbatch arrays [rows, T/s] (Ulysses, or all-gather attention: its zigzag layout is made

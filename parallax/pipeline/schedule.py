@@ -13,7 +13,9 @@ assigned greedily (lowest free index), so `num_slots` is the peak number of live
 At unit costs (F = B = W = 1, BW = 2) the async bubbles are exactly the published ones: gpipe and 1f1b
 (p-1)/(m+p-1), interleaved_1f1b (p-1)/(vm+p-1) (m a multiple of p), zb_h1 (p-1)/(3m+p-1) for m >= p.
 zbv reaches, within a few ticks for m >= p, the bound (p-1)/(6m+p-1) that any schedule of 6m unit actions
-per rank pays because rank p-1 cannot start before tick p-1.
+per rank pays because rank p-1 cannot start before tick p-1. v_half and v_min (ZB-V's placement, the
+controllable-memory paper's building blocks) hold about 5/8 and 1/2 of zbv's (1F1B's) peak activations
+at p = 8, with bubbles below 1F1B's (`v_schedule`).
 
 A *steady* schedule (`2bw`) is one window of an endless pipeline, run once per training step: there is no
 flush, so the microbatches in flight at the window's end finish in the next window. Its table names the
@@ -207,6 +209,48 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
                           lambda r, kind, mb, c: ((B, F, W).index(kind), mb, -c), [2 * p] * p)
 
 
+def _v_pattern(name: str, p: int) -> list[tuple[int, int, int, int]]:
+    """The repeating building block of a V schedule (Qi et al., "Pipeline Parallelism with Controllable
+    Memory", arXiv 2405.15362): per rank, the ticks of microbatch 0's (F chunk 0, F chunk 1, B chunk 1,
+    B chunk 0) in a period of 6 ticks per microbatch (F, B and W of two chunks). The block's lifespan on a
+    rank sets its peak activations: V-Min about 1/3 of 1F1B's, V-Half about 1/2."""
+    if name == "v_min":
+        gap = 2 if p % 3 == 0 else 0  # the block's gap that keeps two ranks' actions off one tick
+        return [(r, 2 * p - r - 1, 2 * p + gap + r, 4 * p + gap - r - 1) for r in range(p)]
+    gap = 3 if p % 2 == 0 else 0
+    return [(2 * r, 3 * p - r - 2, 3 * p + gap + 2 * r - 1, 6 * p + gap - r - 2) for r in range(p)]
+
+
+def v_schedule(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
+    """V-Min / V-Half: two chunks per rank in ZB-V's V placement (rank r holds stages r and 2p-1-r), split
+    B and W, each rank running a fixed program: the building block of `_v_pattern` repeated every 6 ticks
+    (microbatch j's actions at the block's ticks + 6j), each W in the first tick its rank leaves free after
+    its B (chunk 1's first), then squeezed: the list scheduler runs the program in that order, each action
+    as soon as its inputs arrived. The order, hence the peak of live activations, is the block's; the
+    squeeze removes the block's idle ticks in the warmup and cooldown."""
+    p, m = num_ranks, num_microbatches
+    stage_of = np.stack([np.arange(p), 2 * p - 1 - np.arange(p)], axis=1)
+    order = {}  # (rank, kind, mb, chunk) -> position in the rank's program
+    for r, (f0, f1, b1, b0) in enumerate(_v_pattern(name, p)):
+        timed = {t + 6 * j: (kind, j, c) for j in range(m) for t, kind, c in ((f0, F, 0), (f1, F, 1), (b1, B, 1),
+                                                                              (b0, B, 0))}
+        pending = [[], []]  # W's waiting for a free tick, per chunk
+        tick, program = 0, []
+        while len(program) < 6 * m:
+            if tick in timed:
+                kind, j, c = timed[tick]
+                program.append((kind, j, c))
+                if kind == B:
+                    pending[c].append(j)
+            else:
+                c = 1 if pending[1] else 0
+                if pending[c]:
+                    program.append((W, pending[c].pop(0), c))
+            tick += 1
+        order.update({(r, *a): i for i, a in enumerate(program)})
+    return _list_schedule(name, m, stage_of, True, lambda r, kind, mb, c: order[r, kind, mb, c], in_order=True)
+
+
 def circular_colouring(busy, period: int) -> list[int]:
     """Colours for intervals on a circle of `period` ticks: `busy[i]` is the list of ticks item i holds its
     colour (an activation slot, an inbox entry), taken mod `period`; items that share a tick get different
@@ -317,6 +361,8 @@ SCHEDULES = {
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
     "zbv": zbv,
+    "v_half": lambda p, m: v_schedule("v_half", p, m),
+    "v_min": lambda p, m: v_schedule("v_min", p, m),
 }
 # Steady schedules: one window of an endless pipeline per training step (no flush; see the module docstring).
 STEADY_SCHEDULES = {"2bw": two_bw}
@@ -337,10 +383,10 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stag
             raise ScheduleError(f"interleaved_1f1b needs microbatches a multiple of stages={p}, got {m}; "
                                 f"set microbatches={-(-m // p) * p}")
         return interleaved_1f1b(p, m, v)
-    if name == "zbv":
+    if name in ("zbv", "v_half", "v_min"):
         if v not in (1, 2):
-            raise ScheduleError(f"zbv always holds 2 chunks per rank, got virtual_stages={v}; set it to 2")
-        return zbv(p, m)
+            raise ScheduleError(f"{name} always holds 2 chunks per rank, got virtual_stages={v}; set it to 2")
+        return SCHEDULES[name](p, m)
     if v != 1:
         raise ScheduleError(f"{name} holds one chunk per rank, got virtual_stages={v}; set it to 1 or use "
                             f"interleaved_1f1b")
