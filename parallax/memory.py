@@ -111,7 +111,14 @@ def memory_report(config, devices=None) -> MemoryReport:
     # XLA:TPU stops at its first estimate over the chip's HBM; this lets it finish, so a step that does not
     # fit still gets its full figures.
     options = {"xla_tpu_no_crash_on_oom": True} if devices[0].platform == "tpu" else None
-    compiled = trainer.train_step.lower(state, batch).compile(compiler_options=options)
+
+    def peak(compiled):
+        m = compiled.memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    # The programs the training loop runs (one per kind of step, e.g. DiLoCo's sync and non-sync steps):
+    # the report is the one with the highest peak.
+    compiled = max((trainer.step_program(kind).lower(state, batch).compile(compiler_options=options)
+                    for kind in trainer.path.step_kinds()), key=peak)
     memory = compiled.memory_analysis()
     kernel_calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
     params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)

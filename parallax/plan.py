@@ -101,7 +101,7 @@ def _make_plan(config, num_devices, platform):
     batch_axes = tuple(a for a in sharding.spec_axes(rules["batch"]) if sizes[a] > 1)
     _check_diloco(config, sizes)
     _check_batch(config, math.prod(sizes[a] for a in batch_axes) * sizes[mesh_lib.REPLICA])
-    schedule = _pipeline_schedule(config, sizes, math.prod(sizes[a] for a in batch_axes))
+    schedule = _pipeline_schedule(config, sizes, math.prod(sizes[a] for a in batch_axes) * sizes[mesh_lib.REPLICA])
     model_config = model_lib.frozen(config.model)
     abstract_model = nnx.eval_shape(lambda: cls(model_config, nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract_model)
@@ -304,7 +304,7 @@ def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
     if pc.microbatches < 1 or t.global_batch_size % (dp * pc.microbatches):
         raise ConfigError(
             f"config.pipeline.microbatches={pc.microbatches}: global_batch_size={t.global_batch_size} must be "
-            f"divisible by data-parallel size {dp} x pipeline.microbatches; choose a divisor of "
+            f"divisible by data-parallel size {dp} (mesh.replica included) x pipeline.microbatches; choose a divisor of "
             f"{t.global_batch_size // dp}")
     if pc.schedule == "2bw" and int(config.optim.grad_delay):
         raise ConfigError("config.pipeline.schedule='2bw' applies each gradient one step late itself, and "

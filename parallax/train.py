@@ -381,6 +381,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
     while step < t.steps:
         if profiler is not None:
             profiler.before(step + 1)
+        compiles = not trainer.compiled_for(step)  # this kind of step's first: its time includes the compile
         state, metrics = trainer.train_step_at(step)(state, batch)  # dispatched asynchronously
         step += 1
         batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
@@ -399,7 +400,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         record.update({k: float(v) for k, v in metrics.get("model", {}).items()})  # e.g. MoE router statistics
         # a step path's own (e.g. DiLoCo's outer step), on the steps that have them (NaN on the others)
         record.update({k: float(v) for k, v in metrics.get("path", {}).items() if math.isfinite(float(v))})
-        if step == first_step + 1:
+        if step == first_step + 1 or compiles:
             record["includes_compile"] = True
         if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):
             eval_loss = record["eval_loss"] = evaluate(trainer, state["params"], dataset, t.eval_batches)

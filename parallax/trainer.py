@@ -1,7 +1,7 @@
 """The train state and the jitted steps: shardings, the optimizer, `train_step` and `eval_step`.
 
-`train_step(state, batch) -> (state, metrics)` is a pure function jitted once with explicit in/out
-shardings and donated state. The state is a dict of pure pytrees: `{'step', 'params', 'opt_state'}`, plus
+`train_step(state, batch) -> (state, metrics)` is a pure function jitted with explicit in/out shardings
+and donated state: once, or once per kind of step for a path whose steps differ (`train_step_at`). The state is a dict of pure pytrees: `{'step', 'params', 'opt_state'}`, plus
 the entries the step path adds (`StepPath.state_keys`, e.g. a pipeline's microbatches in flight); the
 data position is the step, since a batch is a function of (seed, step). How a step computes its loss and
 gradients is the step path's (`parallax.paths`): dense, manual or pipelined; the trainer applies
@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 from absl import logging
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -87,7 +86,7 @@ class Trainer:
         self._init = jax.jit(self._init_state, static_argnums=0, out_shardings=self.state_shardings)
         self.loss_and_grads = jax.jit(self._loss_and_grads, out_shardings=(replicated, self.param_shardings))
         self.train_step = self._jit_step(None)
-        self._steps_by_kind = {None: self.train_step}
+        self._steps_by_kind, self._ran = {None: self.train_step}, set()
         self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
 
     @property
@@ -115,18 +114,26 @@ class Trainer:
                        in_shardings=(self.state_shardings, self.batch_shardings),
                        out_shardings=(self.state_shardings, self.path.metrics_sharding()))
 
+    def compiled_for(self, step: int) -> bool:
+        """Whether the program `train_step_at(step)` returns has run before (else its first call compiles)."""
+        return self.path.step_kind(step) in self._ran
+
     def train_step_at(self, step: int):
         """The jitted train step for the step that starts at `step` (an int on the host): `train_step`, or,
         for a path whose steps differ in kind (`StepPath.step_kind`), that kind's own program (compiled on
         its first use)."""
         kind = self.path.step_kind(step)
+        self._ran.add(kind)
+        return self.step_program(kind)
+
+    def step_program(self, kind):
+        """The jitted train step of `kind` (`StepPath.step_kinds`; None: `train_step`)."""
         if kind not in self._steps_by_kind:
             self._steps_by_kind[kind] = self._jit_step(kind)
         return self._steps_by_kind[kind]
 
     def _train_step(self, state, batch, kind=None):
-        return self.path.train_step(self.update, state, batch, kind) if kind is not None else \
-            self.path.train_step(self.update, state, batch)
+        return self.path.train_step(self.update, state, batch, kind)
 
     def update(self, state, batch, loss, grads, aux, completed=True):
         """The step after applying `grads` (of `batch`, mean `loss`) with the optimizer: (state of

@@ -111,7 +111,8 @@ def _crossing(traffic, replica_size):
                               "pipe=2,data=2"])
 def test_inner_step_never_communicates_across_replicas(model, mesh):
     """The inner step's collectives (data, FSDP, tensor, the expert all-to-alls, Muon's resharding, the
-    pipeline's permutes) all stay within a replica; the whole step's crossing ones are the sync's, in its conditional branch."""
+    pipeline's permutes) all stay within a replica: the program of a step without a sync has no crossing
+    collective, that of a sync step has; the whole step's crossing ones are the sync's, in its conditional branch."""
     from parallax.hlo import collective_traffic
 
     config = _diloco(tiny_config("llama" if model == "muon" else model), **mesh)
@@ -121,14 +122,13 @@ def test_inner_step_never_communicates_across_replicas(model, mesh):
     state = trainer.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_shardings[k])
              for k, v in make_dataset(trainer.config).batch(0).items()}
-    inner = jax.jit(lambda s, b: trainer.path.inner_step(trainer.update, s, b),
-                    out_shardings=(trainer.state_shardings, trainer.path.metrics_sharding()))
-    traffic = collective_traffic(inner.lower(state, batch).compile().as_text(), 8)
+    # The programs the training loop runs: a step without a sync (kind -1), and one with (kind 0).
+    traffic = collective_traffic(trainer.step_program(-1).lower(state, batch).compile().as_text(), 8)
     if model != "llama" or "tensor" in mesh or "pipe" in mesh:
         assert traffic, "the inner step has the tensor / expert / FSDP collectives of a replica"
     assert [(c["op"], c["arrays"]) for c in _crossing(traffic, 4)] == []
-    whole = collective_traffic(trainer.train_step.lower(state, batch).compile().as_text(), 8)
-    assert _crossing(whole, 4)
+    sync = collective_traffic(trainer.step_program(0).lower(state, batch).compile().as_text(), 8)
+    assert _crossing(sync, 4)
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +216,10 @@ def _int8(x, per_layer):
 
 
 @pytest.mark.parametrize("fragments,overlap,dtype,mesh", [
-    (1, 0, "float32", dict(data=2, tensor=2)), (2, 0, "float32", dict(pipe=2, tensor=2)),
-    (2, 1, "float32", dict(data=2, tensor=2)), (1, 0, "int8", dict(data=2, tensor=2))],
-    ids=["nesterov", "streaming-pipe=2", "streaming-overlap", "int8-error-feedback"])
+    (1, 0, "float32", dict(data=2, tensor=2)), (2, 0, "float32", dict(data=2, tensor=2)),
+    (2, 0, "float32", dict(pipe=2, tensor=2)), (2, 1, "float32", dict(data=2, tensor=2)),
+    (1, 0, "int8", dict(data=2, tensor=2))],
+    ids=["nesterov", "streaming", "streaming-pipe=2", "streaming-overlap", "int8-error-feedback"])
 def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     """H=4, outer Nesterov SGD (lr 0.7, momentum 0.9), AdamW inside, 7 steps (syncs, then part of an inner
     phase): the global parameters and each replica's equal a loop written here, with one single-device run
@@ -235,10 +236,13 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     trainer = Trainer(config, devices=jax.devices())
     data = make_dataset(config)
     state = trainer.init_state()
+    switched = trainer.init_state()
     for step in range(steps):  # overlap: each kind of step its own program, as the training loop runs them
-        run = trainer.train_step_at(step) if overlap else trainer.train_step
-        state, _ = run(state, trainer.device_batch(_batch(data, step)))
-    got = jax.device_get(state)
+        batch = trainer.device_batch(_batch(data, step))
+        state, _ = (trainer.train_step_at(step) if overlap else trainer.train_step)(state, batch)
+        if overlap:  # and the one program that decides on the device (checked against the loop too)
+            switched, _ = trainer.train_step(switched, batch)
+    runs = [jax.device_get(state)] + ([jax.device_get(switched)] if overlap else [])
 
     half = tiny_config()
     half.train.global_batch_size //= 2
@@ -275,13 +279,14 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
                 mine = _fragment(replicas[r]["params"], f, fragments)
                 mine = jax.tree.map(lambda p, x: mix * p + (1 - mix) * x, mine, g) if overlap else g
                 replicas[r] = {**replicas[r], "params": _set_fragment(replicas[r]["params"], mine, f, fragments)}
-    err, where = max_leaf_rel_err(got["params"], glob)
-    print(f"global parameters: worst {where} {err:.2e}")
-    assert err <= 1e-5, f"global parameter {where} differs by {err:.2e}"
-    for r in range(2):  # each replica, from its own inner state, mid-phase
-        mine = jax.tree.map(lambda a: a[r], got["diloco"]["params"])
-        err, where = max_leaf_rel_err(mine, replicas[r]["params"])
-        assert err <= 1e-5, f"replica {r}'s parameter {where} differs by {err:.2e}"
+    for got in runs:
+        err, where = max_leaf_rel_err(got["params"], glob)
+        print(f"global parameters: worst {where} {err:.2e}")
+        assert err <= 1e-5, f"global parameter {where} differs by {err:.2e}"
+        for r in range(2):  # each replica, from its own inner state, mid-phase
+            mine = jax.tree.map(lambda a: a[r], got["diloco"]["params"])
+            err, where = max_leaf_rel_err(mine, replicas[r]["params"])
+            assert err <= 1e-5, f"replica {r}'s parameter {where} differs by {err:.2e}"
 
 
 def test_a_diloco_run_evaluates_checkpoints_and_resumes_exactly_mid_phase(tmp_path):

@@ -154,6 +154,10 @@ class StepPath:
         (`Trainer.train_step_at`), so nothing sits in a conditional on the device."""
         return None
 
+    def step_kinds(self) -> tuple:
+        """Every value `step_kind` takes (what `launch/plan.py` compiles: the largest peak is the report)."""
+        return (None,)
+
     def train_step(self, update, state, batch, kind=None):
         """(state, metrics) after one step; `update(state, batch, loss, grads, aux)` is the trainer's
         optimizer update; `kind`: `step_kind` of this step, or None. Synchronous: the gradient of this

@@ -35,8 +35,9 @@ exchanges the parameters after step t during step t + 1 and applies the result a
 step, mixing it into the replicas' fragment with `diloco.mix` (the paper's tau = 1 semantics). The training
 loop runs each kind of step (no sync, fragment f's sync: `step_kind`) as its own program, so the exchange
 is at the top level of the step rather than in a conditional, and with overlap independent of the inner
-step (see docs/diloco.md for what the TPU compiler does with it). The outer optimizer is written out (SGD with Nesterov momentum,
-optax.sgd's rule) so that a fragment's step touches its own slice of the momentum alone.
+step (see docs/diloco.md for what the TPU compiler does with it). The outer optimizer is written out (SGD
+with Nesterov momentum, optax.sgd's rule) so that a fragment's step touches its own slice of the momentum
+alone.
 
 The inner loss is each replica's own token mean (its rows' weight total), and the pseudo-gradients are
 averaged with equal weights, as in the paper. Metrics stay [R] on the devices (averaging them there would
@@ -94,7 +95,8 @@ def _fit_spec(shape, spec: P, sizes) -> P:
 
 
 class DilocoPath(StepPath):
-    """`mesh.replica > 1`: R replicas of the inner path (dense or manual), synced every H steps."""
+    """`mesh.replica > 1`: R replicas of the inner path (dense, manual or a flushing pipeline), synced every H
+    steps."""
 
     state_keys = ("diloco",)
     state_label = "DiLoCo replicas' parameters, outer state"
@@ -167,7 +169,7 @@ class DilocoPath(StepPath):
         devices, the R sums added (the one collective over `replica`: a scalar)."""
         stacked = self._stack(params)
         if self.pipelined:
-            return jnp.sum(self.inner.replica_sums(stacked, batch))
+            return jnp.sum(self.inner.sum(stacked, batch, replicas=True))
         return jnp.sum(self.replica_terms(stacked, batch)[0])
 
     def sum_and_grads(self, params, batch):
@@ -194,7 +196,7 @@ class DilocoPath(StepPath):
 
         def grads_of(b):
             if self.pipelined:  # the executor's sums and their gradients, each replica's over its total
-                sums, grads, aux = self.inner.replica_sums_and_grads(stacked, b)
+                sums, grads, aux = self.inner.sum_and_grads(stacked, b, replicas=True)
                 per = lambda g: g.astype(jnp.float32) / totals.reshape(-1, *(1,) * (g.ndim - 1))
                 return sums / totals, jax.tree.map(per, grads), aux
             (_, (losses, aux)), grads = jax.value_and_grad(objective, has_aux=True)(stacked, b)
@@ -256,6 +258,9 @@ class DilocoPath(StepPath):
         `overlap=1` it does not depend on the inner step, and XLA's scheduler can run it under the inner
         step's compute (a conditional runs as one operation after all its operands)."""
         return next((f for f, due in enumerate(self._due(step)) if due), -1)
+
+    def step_kinds(self) -> tuple:
+        return (-1, *range(self.fragments))
 
     def train_step(self, update, state, batch, kind=None):
         """One inner step on every replica, then the outer sync of the fragment whose turn it is, if any.

@@ -168,34 +168,22 @@ class PipelinePath(StepPath):
 
     # --- the loss -------------------------------------------------------------------------------------
 
-    def sum(self, params, batch):
+    def sum(self, params, batch, replicas: bool = False):
+        """The loss sum; with `replicas` (DiLoCo: params [R, ...], `Layout.replicas`), each replica's [R]
+        over its own rows of `batch`."""
         return executor.pipeline_loss(self.schedule, stage_aux=self.stage_aux,
-                                      **self.executor_args(params, batch, self.schedule))
+                                      **self.executor_args(params, batch, self.schedule, replicas))
 
-    def sum_and_grads(self, params, batch):
-        """Pipelined gradients are fp32."""
+    def sum_and_grads(self, params, batch, replicas: bool = False):
+        """Pipelined gradients are fp32. With `replicas`, each replica's ([R] sums, gradients [R, ...],
+        aux [R, ...]) on its own rows."""
         schedule = self.schedule
         out = executor.pipeline_value_and_grad(schedule, remat=bool(self.plan.config.pipeline.remat),
                                                stage_aux=self.stage_aux,
-                                               **self.executor_args(params, batch, schedule))
-        aux = from_pipeline_layout(out[2], schedule) if self.stage_aux else {}
-        return out[0], self.unstage(params, out[1], schedule), aux
-
-    # --- DiLoCo replicas (`parallax.paths.diloco`): R independent pipelines, params [R, ...] --------------
-
-    def replica_sums(self, stacked, batch):
-        """[R]: each replica's weighted loss sum over its own rows of `batch` (`Layout.replicas`)."""
-        return executor.pipeline_loss(self.schedule, stage_aux=self.stage_aux,
-                                      **self.executor_args(stacked, batch, self.schedule, replicas=True))
-
-    def replica_sums_and_grads(self, stacked, batch):
-        """`sum_and_grads` of each replica on its own rows: ([R] sums, gradients [R, ...], aux [R, ...])."""
-        schedule = self.schedule
-        out = executor.pipeline_value_and_grad(schedule, remat=bool(self.plan.config.pipeline.remat),
-                                               stage_aux=self.stage_aux,
-                                               **self.executor_args(stacked, batch, schedule, replicas=True))
-        aux = jax.vmap(functools.partial(from_pipeline_layout, schedule=schedule))(out[2]) if self.stage_aux else {}
-        return out[0], self.unstage(stacked, out[1], schedule, replicas=True), aux
+                                               **self.executor_args(params, batch, schedule, replicas))
+        from_layout = functools.partial(from_pipeline_layout, schedule=schedule)
+        aux = (jax.vmap(from_layout) if replicas else from_layout)(out[2]) if self.stage_aux else {}
+        return out[0], self.unstage(params, out[1], schedule, replicas), aux
 
 
 class _Tracing(NamedTuple):

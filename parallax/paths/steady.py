@@ -99,7 +99,7 @@ class SteadyPipelinePath(PipelinePath):
                              {k: abstract[k] for k in ("grads", "loss", "batch", "inflight")})
         return {"pipeline": {"previous": params, **zeros}}
 
-    def train_step(self, update, state, batch):
+    def train_step(self, update, state, batch, kind=None):
         pipe = state["pipeline"]
         (loss_prev, grads_prev), (loss_cur, grads_cur), inflight = self.window(
             pipe["previous"], state["params"], pipe["batch"], batch, pipe["inflight"])

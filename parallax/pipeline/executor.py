@@ -91,7 +91,7 @@ def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh
 
 def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previous, inputs, mesh, inflight=None,
                          stage_fn=None, layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
-                         input_spec=P(), routed_inputs=None):
+                         input_spec=P(), routed_inputs=None, replicas=False):
     """One step of a steady schedule (`2bw`): one window of an endless pipeline, with no flush.
 
     The window runs the current step's forwards with `params` and finishes the previous step's
@@ -106,6 +106,8 @@ def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previ
     over the shard_map's manual axes (`layout.manual_axes`); opaque: hand them to the next call."""
     if not schedule.steady:
         raise ValueError(f"{schedule.name} flushes every step: run it with pipeline_value_and_grad")
+    if replicas:
+        raise ValueError(f"{schedule.name} runs without replicas: a window carries the previous step's microbatches")
     m = schedule.num_microbatches
     layout = Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m,
                          routed_inputs=routed_inputs)
