@@ -325,6 +325,11 @@ def test_diloco_config_errors_name_the_fix(tmp_path):
         steady = _diloco(tiny_config(), pipe=2, data=2)
         steady.pipeline.schedule = "2bw"
         make_plan(steady, 8)
+    with pytest.raises(ConfigError, match=r"pipeline.microbatches=4: global_batch_size=12 must be divisible by "
+                                          r"data-parallel size 2 \(mesh.replica included\)"):
+        small = _diloco(tiny_config(), pipe=2, tensor=2)
+        small.train.global_batch_size = 12
+        make_plan(small, 8)
     with pytest.raises(ConfigError, match="sync_every=0"):
         make_plan(_diloco(tiny_config(), every=0, data=4), 8)
     with pytest.raises(ConfigError, match="pseudo_grad_dtype='fp8'"):
