@@ -24,7 +24,7 @@ from parallax import sharding
 from parallax.errors import ConfigError
 from parallax.parallel import splash as splash_lib
 from parallax.parallel.manual import Parallelism
-from parallax.pipeline.schedule import Schedule, ScheduleError, make_schedule
+from parallax.pipeline.schedule import Schedule, ScheduleError, balanced_layers, make_schedule
 from parallax.pipeline.validate import validate
 
 DTYPES = ("float32", "bfloat16")
@@ -98,6 +98,9 @@ def _make_plan(config, num_devices, platform):
                               f"{axis} parallelism (its parallel_axes: {cls.parallel_axes or 'none'}); set "
                               f"mesh.{axis}=1 and use data, fsdp or pipe")
     rules = _rules(config, cls)
+    if sizes["pipe"] > 1 and int(config.model.num_layers) % sizes["pipe"] and "pipe" in sharding.spec_axes(
+            rules["layers"]):  # an uneven layout: the stack is stored whole over `pipe` (docs/pipeline.md)
+        rules = {**rules, "layers": None}
     batch_axes = tuple(a for a in sharding.spec_axes(rules["batch"]) if sizes[a] > 1)
     _check_diloco(config, sizes)
     _check_batch(config, math.prod(sizes[a] for a in batch_axes) * sizes[mesh_lib.REPLICA])
@@ -122,9 +125,10 @@ def _make_plan(config, num_devices, platform):
         par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], expert=expert,
                           attention_kind=config.model.attention, mesh_shape=tuple(sizes.items()),
                           rules=tuple(rules.items()), **kernels)
-    return Plan(config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls,
-                model_config=model_config, graphdef=graphdef, abstract_params=abstract_params, logical=logical,
-                parallelism=par, schedule=schedule, platform=platform)
+    return _auto_layout(Plan(
+        config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls, model_config=model_config,
+        graphdef=graphdef, abstract_params=abstract_params, logical=logical, parallelism=par, schedule=schedule,
+        platform=platform))
 
 
 ATTENTION_IMPLS = ("auto", "blockwise", "splash", "cudnn")
@@ -316,11 +320,40 @@ def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
     except ScheduleError as e:
         raise ConfigError(f"config.pipeline (schedule={pc.schedule!r}, microbatches={pc.microbatches}, "
                           f"virtual_stages={pc.virtual_stages}, mesh.pipe={p}): {e}") from None
-    if m.num_layers % schedule.num_stages:
+    layout = str(pc.layout).replace(" ", "")
+    if layout == "even" and m.num_layers % schedule.num_stages:
         raise ConfigError(
             f"config.model.num_layers={m.num_layers}: not divisible into {schedule.num_stages} pipeline stages "
-            f"(mesh.pipe={p} x {schedule.num_chunks} chunks per rank); use a multiple of {schedule.num_stages}")
-    return schedule
+            f"(mesh.pipe={p} x {schedule.num_chunks} chunks per rank); use a multiple of {schedule.num_stages}, "
+            f"or set pipeline.layout='auto' or layers per stage (e.g. '{_spread(m.num_layers, schedule.num_stages)}')")
+    if layout in ("even", "auto"):
+        return schedule  # 'auto' is resolved once the model's parts can be counted (`_auto_layout`)
+    try:
+        counts = tuple(int(n) for n in layout.split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) != schedule.num_stages or min(counts) < 0 or sum(counts) != m.num_layers:
+        raise ConfigError(
+            f"config.pipeline.layout={pc.layout!r}: give 'even', 'auto' or {schedule.num_stages} layer counts >= 0, "
+            f"one per stage in stage order (mesh.pipe={p} x {schedule.num_chunks} chunks per rank), summing to "
+            f"model.num_layers={m.num_layers}, e.g. '{_spread(m.num_layers, schedule.num_stages)}'")
+    return schedule.with_layers(counts)
+
+
+def _spread(num_layers, num_stages) -> str:
+    return ",".join(map(str, balanced_layers(num_layers, num_stages, 1.0)))
+
+
+def _auto_layout(plan):
+    """`plan` with `pipeline.layout='auto'` resolved: layers per stage balancing the counted forward matmul
+    FLOPs of a layer, the embedding (stage 0) and the head and loss (the last stage), per `balanced_layers`."""
+    if plan.schedule is None or str(plan.config.pipeline.layout).strip() != "auto":
+        return plan
+    from parallax.paths.pipeline import part_flops  # the model's parts, traced as the pipeline splits them
+    flops = part_flops(plan)
+    layers = balanced_layers(int(plan.config.model.num_layers), plan.schedule.num_stages, flops["layer"],
+                             flops["embed"], flops["loss"])
+    return dataclasses.replace(plan, schedule=plan.schedule.with_layers(layers))
 
 
 def _check_params(config, sizes, rules, abstract_params, logical):

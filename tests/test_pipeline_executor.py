@@ -284,8 +284,8 @@ def test_gpipe_uses_more_temp_memory_per_microbatch_than_1f1b():
 def test_layers_not_divisible_into_stages_raise_with_fix():
     sched = make_schedule("interleaved_1f1b", 2, M, 2)
     params, _ = make_model(layers=6)
-    with pytest.raises(ValueError, match=r"6 layers do not split evenly into 4 pipeline stages .*"
-                                         r"use a layer count divisible by 4"):
+    with pytest.raises(ValueError, match=r"6 layers do not split evenly into 4 pipeline stages; "
+                                         r"use a layer count divisible by 4 or give pipeline.layout"):
         layout.to_pipeline_layout(params["layers"], sched)
 
 
@@ -298,6 +298,34 @@ def test_layout_round_trips():
         r, c = sched.rank_of_stage(1)
         np.testing.assert_array_equal(staged[r, c, 0], stacked[8 // (4 * v)])
         np.testing.assert_array_equal(layout.from_pipeline_layout(staged, sched), stacked)
+
+
+# Uneven layouts (layers per stage, padded to the largest stage; the padding slots skipped under a cond):
+# a stage of no layers, a fused and a split backward, stored residuals and remat, two chunks per rank.
+UNEVEN_CASES = [("1f1b", 1, 2, (3, 5), False), ("1f1b", 1, 2, (0, 8), True), ("zb_h1", 1, 4, (1, 3, 3, 1), False),
+                ("zbv", 2, 2, (1, 3, 3, 1), False), ("zbv", 2, 2, (2, 1, 4, 1), True)]
+
+
+@pytest.mark.parametrize("name,v,p,layers,remat", UNEVEN_CASES,
+                         ids=[f"{n}-{p}-{'-'.join(map(str, l))}{'-remat' if r else ''}" for n, _, p, l, r in UNEVEN_CASES])
+def test_uneven_layout_grads_match_unpipelined(name, v, p, layers, remat):
+    sched = make_schedule(name, p, M, v).with_layers(layers)
+    params, inputs = make_model()
+    staged = layout.to_pipeline_layout(params["layers"], sched)
+    assert staged["w1"].shape[:3] == (p, v, max(layers))
+    np.testing.assert_array_equal(layout.from_pipeline_layout(staged, sched)["w1"], params["layers"]["w1"])
+    mesh = jax.make_mesh((8 // p, p), ("data", "pipe"))
+    run = pipelined(sched, mesh, remat, layered=True)
+    assert " cond[" in str(jax.make_jaxpr(run)(params, inputs))  # padding slots are skipped at run time
+    assert_matches_reference(*run(params, inputs))
+
+
+def test_uneven_layout_must_hold_the_model_layers():
+    sched = make_schedule("1f1b", 2, M)
+    with pytest.raises(ValueError, match=r"one layer count >= 0 per stage \(2"):
+        sched.with_layers((8,))
+    with pytest.raises(ValueError, match="holds 7 layers, the model 8; give counts that sum to 8"):
+        layout.to_pipeline_layout(make_model()[0]["layers"], sched.with_layers((3, 4)))
 
 
 def test_bf16_model_accumulates_float32_grads():

@@ -1,6 +1,7 @@
 """The pipelined Llama (every schedule, pipe in {2, 4}, with data / FSDP) equals the 1-device model."""
 
 import jax
+import numpy as np
 import pytest
 
 from helpers import assert_parity, loss_grads_and_steps, tiny_config
@@ -65,14 +66,58 @@ def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps), reference, TOL)
 
 
+@pytest.fixture(scope="module")
+def reference7():
+    config = _config()
+    config.model.num_layers = 7
+    return loss_grads_and_steps(config, jax.devices()[:1], steps=5)
+
+
+# Uneven layouts of 7 layers: explicit on 2 stages, `auto` on 4 (1F1B) and on zbv's 4 stages of 2 ranks.
+UNEVEN_CASES = [("1f1b", 2, "3,4"), ("1f1b", 4, "auto"), ("zbv", 2, "1,3,2,1")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,pipe,layout", UNEVEN_CASES, ids=[f"{s}-pipe{p}-{l}" for s, p, l in UNEVEN_CASES])
+def test_uneven_layout_matches_single_device(reference7, schedule, pipe, layout):
+    config = _config(schedule, pipe=pipe, data=8 // pipe)
+    config.model.num_layers, config.pipeline.layout = 7, layout
+    plan = make_plan(config, 8)
+    assert plan.rules["layers"] is None  # 7 layers: the stack is stored whole over `pipe`
+    assert len(set(plan.schedule.layers)) > 1 and sum(plan.schedule.layers) == 7, plan.schedule.layers
+    assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference7, TOL)
+
+
+def test_a_run_resumes_with_another_layout(tmp_path):
+    """Checkpoints hold the stacked layers, whatever the layout: 2 steps with one layout, 2 more resumed with
+    another, give the losses of 4 steps uninterrupted; `auto` in bf16 evaluates and resumes."""
+    from helpers import bf16_train_eval_resume
+    from parallax.train import train_and_evaluate
+
+    def run(layout, steps, workdir):
+        config = _config("1f1b", pipe=2, data=4)
+        config.pipeline.layout = layout
+        config.train.update(steps=steps, eval_every=0, checkpoint_every=2, log_every=1)
+        config.optim.decay_steps = 4
+        return [r["loss"] for r in train_and_evaluate(config, str(workdir), log=lambda *_: None).history]
+    whole = run("even", 4, tmp_path / "whole")
+    first, second = run("3,5", 2, tmp_path / "split"), run("6,2", 4, tmp_path / "split")
+    np.testing.assert_allclose(first + second, whole, rtol=TOL)
+    config = _config("1f1b", pipe=4, data=2)
+    config.model.num_layers, config.pipeline.layout = 7, "auto"
+    bf16_train_eval_resume(config, tmp_path / "bf16")
+
+
 @pytest.mark.parametrize("change,expected", [
     (dict(model=dict(num_layers=6)), "num_layers=6: not divisible into 4 pipeline stages"),
+    (dict(pipeline=dict(layout="3,3")), "config.pipeline.layout='3,3': give 'even', 'auto' or 4 layer counts"),
+    (dict(pipeline=dict(layout="2,2,2,1")), "summing to model.num_layers=8, e.g. '2,2,2,2'"),
     (dict(pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)), "set microbatches=4"),
     (dict(pipeline=dict(schedule="pipedream")), "unknown schedule 'pipedream'"),
     (dict(pipeline=dict(microbatches=3)), "pipeline.microbatches=3"),
     (dict(train=dict(microbatches=2)), "set train.microbatches=1"),
     (dict(mesh=dict(data=1, seq=2), model=dict(attention="ring")), "use attention='allgather'"),
-], ids=["layers", "interleaved-m", "unknown", "batch", "accumulation", "ring"])
+], ids=["layers", "layout-stages", "layout-sum", "interleaved-m", "unknown", "batch", "accumulation", "ring"])
 def test_bad_pipeline_config_names_the_fix(change, expected):
     config = _config("1f1b", pipe=4, data=2)
     for section, values in change.items():

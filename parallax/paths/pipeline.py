@@ -186,6 +186,20 @@ class PipelinePath(StepPath):
         return out[0], self.unstage(params, out[1], schedule, replicas), aux
 
 
+def part_flops(plan) -> dict:
+    """Forward matmul FLOPs of one sequence (`pipeline.work.dot_flops` of the dense code's jaxpr) through
+    the embedding, one layer, and the head and loss: what `pipeline.layout='auto'` balances."""
+    from parallax.pipeline.work import dot_flops
+    t = _Tracing.make(plan)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t.blocks)
+
+    def count(fn, *args):
+        return float(dot_flops(jax.make_jaxpr(fn)(*args).jaxpr))
+    return {"embed": count(lambda p: t.model(p).embed(t.mb, DENSE), t.rest),
+            "layer": count(lambda w: model_lib.apply_layer_aux(t.graphdef, w, t.x0(), t.mb, plan.remat, DENSE), one),
+            "loss": count(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest)}
+
+
 class _Tracing(NamedTuple):
     """A zero-row microbatch, the non-block parameters, the stacked blocks (all abstract), the blocks'
     graphdef, `model(rest)`: the model on those, and `x`: the residual stream's shape after `embed`."""

@@ -136,6 +136,7 @@ def _run(layout, prog, fns, weights, inputs, finish, out_specs, inflight=None, i
         raise TypeError("give the executor exactly one of stage_fn (a chunk) and layer_fn (one layer)")
     fns, k = (first_fn, stage_fn or layer_fn, last_fn), len(weights)
     options["layered"] = layer_fn is not None
+    options["active"] = layout.active
 
     def body(*args):
         versions = [dict(zip(("first", "stages", "last"), layout.local(args[3 * i:3 * i + 3]))) for i in range(k)]
@@ -180,8 +181,9 @@ class _Ticks:
     (stages `[1, v, ...]` on this rank), oldest first; one for a flushing schedule."""
 
     def __init__(self, fns, manual, versions, inputs, *, remat=False, forward_only=False, stage_aux=False,
-                 batch=(), layered=False, split_w=False):
+                 batch=(), layered=False, split_w=False, active=None):
         self.first_fn, layer_fn, self.last_fn = fns
+        self.active = active  # bool [p, v, Lc] numpy: an uneven layout's real layer slots (`active_layers`)
         self.manual, self.forward_only = manual, forward_only
         # Every weight varies over every manual axis, so that no vjp transpose inserts a psum.
         vary = functools.partial(jax.tree.map, lambda a: cast(a, manual))
@@ -227,6 +229,12 @@ class _Ticks:
                 cast(loss.astype(f32), self.loss_axes),
                 jax.tree.map(zeros, stage.stats0) if stats is None else stats)
 
+    def active_of(self, ins):
+        """This rank's flags of the layer slots of the instruction's chunk, or None (an even layout)."""
+        if self.active is None:
+            return None
+        return jnp.asarray(self.active)[jax.lax.axis_index("pipe"), ins[Field.CHUNK]]
+
     def branches(self, prog: Program):
         """The switch branches, each `(slots, cots, inbox, instruction) -> out(...)`: index
         `instruction[BRANCH] + len(prog.branches) * instruction[VERSION]`, every branch `prog` uses traced
@@ -240,13 +248,14 @@ class _Ticks:
             first_p, stages, _ = w
             mb = _index(self.inputs, ins[Field.MB])
             x = self.first_fn(first_p, mb) if first else inbox[ins[Field.IN]]
-            y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), x, mb)
+            y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), x, mb, self.active_of(ins))
             return self.out(msg=y, res=res, loss=term, stats=stats or None)
 
         def fwd_last(w, slots, cots, inbox, ins):
             _, stages, last_p = w
             mb = _index(self.inputs, ins[Field.MB])
-            y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), inbox[ins[Field.IN]], mb)
+            y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), inbox[ins[Field.IN]], mb,
+                                                self.active_of(ins))
             if self.forward_only:
                 return self.out(loss=self.last_fn(last_p, y, mb))
             l, pb = jax.vjp(lambda lp, y: self.last_fn(lp, y, mb), last_p, y)
@@ -260,7 +269,7 @@ class _Ticks:
             mb = _index(self.inputs, ins[Field.MB])
             stored = tuple(c[ins[Field.SLOT]] for c in cots) if stage.split_w and not need_dx else None
             dx, dw, keep = stage.backward(_index(stages, ins[Field.CHUNK]), ins[Field.SLOT], mb, slots,
-                                          inbox[ins[Field.IN]], stored, need_dx, need_dw)
+                                          inbox[ins[Field.IN]], stored, need_dx, need_dw, self.active_of(ins))
             if need_dx and first:
                 return self.out(dw=dw, cots=keep,
                                 dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), first_p)[1](dx)[0])

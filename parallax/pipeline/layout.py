@@ -2,7 +2,7 @@
 the values' varying-axis types inside it.
 
 `to_pipeline_layout` / `from_pipeline_layout` move stacked layer weights `[L, ...]` to the executor's
-`[p, v, L / (p * v), ...]` layout and back. `Layout.make` checks the executor's arguments against the
+`[p, v, Lc, ...]` layout and back (`Lc = L / (p * v)`, or an uneven layout's largest stage, padded). `Layout.make` checks the executor's arguments against the
 schedule and the mesh and derives the in/out specs; `Layout.gather` brings a routed input whole to the
 one rank that reads it; `Layout.call` runs a body in the shard_map. `cast` / `zeros` give values the
 varying-axis types (`vma`) the executor's carry and branches need.
@@ -24,35 +24,62 @@ from parallax.mesh import REPLICA
 from parallax.pipeline.schedule import Schedule
 
 
-def _take_rows(a, idx):
-    """`a[idx]` along dim 0. For explicitly sharded arrays dim 0 of the result is unsharded and the other
-    dims keep their sharding (a gather needs its output sharding spelled out)."""
+def _take_rows(a, idx, fill=False):
+    """`a[idx]` along dim 0 (with `fill`, zeros where idx is out of range). For explicitly sharded arrays
+    dim 0 of the result is unsharded and the other dims keep their sharding (a gather needs its output
+    sharding spelled out)."""
+    kw = dict(mode="fill", fill_value=0) if fill else {}
     sharding = getattr(jax.typeof(a), "sharding", None)
     if sharding is None or AxisType.Explicit not in sharding.mesh.axis_types:
-        return a[idx]
+        return jnp.asarray(a).at[idx].get(**kw) if fill else a[idx]
     spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
-    return a.at[idx].get(out_sharding=NamedSharding(sharding.mesh, P(None, *spec[1:])))
+    return a.at[idx].get(out_sharding=NamedSharding(sharding.mesh, P(None, *spec[1:])), **kw)
 
 
 def _identity(order) -> bool:
     return bool((np.asarray(order) == np.arange(len(order))).all())
 
 
-def to_pipeline_layout(stacked, schedule: Schedule):
-    """Stacked layer weights (leaves `[L, ...]`) -> executor layout `[p, v, L / (p * v), ...]`.
+def _uneven(schedule: Schedule) -> bool:
+    return schedule.layers is not None and len(set(schedule.layers)) > 1
 
-    Stage s holds layers `[s * Lc, (s + 1) * Lc)`; `staged[r, c]` is stage `schedule.stage_of[r, c]`.
-    When rank r's chunk c is stage r * v + c (gpipe, 1f1b, zb_h1) this is a reshape: the layers dim sharded
-    over `pipe` stays where it lives, and no collective moves layer weights. Otherwise (interleaved, zbv)
-    the stages are permuted with a gather, which the partitioner implements by moving the stack.
+
+def layer_rows(schedule: Schedule, num_layers: int) -> np.ndarray:
+    """int `[p, v, Lc]`: the model layer each of a chunk's layer slots holds (`Lc` the largest stage), or
+    `num_layers` for a padding slot (an uneven layout's shorter stages: the executor skips it)."""
+    counts = schedule.stage_layers(num_layers)
+    starts = np.cumsum((0, *counts[:-1]))
+    rows = np.full((len(counts), max(counts)), num_layers)
+    for s, n in enumerate(counts):
+        rows[s, :n] = starts[s] + np.arange(n)
+    return rows[schedule.stage_of]
+
+
+def active_layers(schedule: Schedule):
+    """bool `[p, v, Lc]`: which of each chunk's layer slots hold a layer, or None for an even layout."""
+    if not _uneven(schedule):
+        return None
+    return layer_rows(schedule, sum(schedule.layers)) < sum(schedule.layers)
+
+
+def to_pipeline_layout(stacked, schedule: Schedule):
+    """Stacked layer weights (leaves `[L, ...]`) -> executor layout `[p, v, Lc, ...]`.
+
+    Stage s holds the next `schedule.stage_layers(L)[s]` layers (`Lc = L / (p * v)` each by default);
+    `staged[r, c]` is stage `schedule.stage_of[r, c]`. When the stages are even and rank r's chunk c is
+    stage r * v + c (gpipe, 1f1b, zb_h1) this is a reshape: the layers dim sharded over `pipe` stays where it
+    lives, and no collective moves layer weights. Otherwise (interleaved, zbv, an uneven layout) the layers
+    are gathered into place, which the partitioner implements by moving the stack. An uneven layout pads
+    each chunk to the largest stage's `Lc` with zeros (`layer_rows`), slots the executor skips.
     """
     p, v = schedule.stage_of.shape
     order = schedule.stage_of.ravel()
 
     def one(a):
-        if a.shape[0] % (p * v):
-            raise ValueError(f"{a.shape[0]} layers do not split evenly into {p * v} pipeline stages "
-                             f"({p} ranks x {v} chunks); use a layer count divisible by {p * v}")
+        if _uneven(schedule):
+            rows = layer_rows(schedule, a.shape[0])
+            return _take_rows(a, rows.ravel(), fill=True).reshape(p, v, rows.shape[2], *a.shape[1:])
+        schedule.stage_layers(a.shape[0])  # raises ScheduleError (a ValueError) if they do not split evenly
         stages = a.reshape(p * v, a.shape[0] // (p * v), *a.shape[1:])  # [S, Lc, ...]
         if not _identity(order):
             stages = _take_rows(stages, order)
@@ -62,7 +89,12 @@ def to_pipeline_layout(stacked, schedule: Schedule):
 
 
 def from_pipeline_layout(staged, schedule: Schedule):
-    """The inverse of `to_pipeline_layout`: `[p, v, Lc, ...]` -> `[p * v * Lc, ...]`."""
+    """The inverse of `to_pipeline_layout`: `[p, v, Lc, ...]` -> `[L, ...]` (padding slots dropped)."""
+    if _uneven(schedule):
+        num_layers = sum(schedule.layers)
+        rows = layer_rows(schedule, num_layers).ravel()
+        where = np.argsort(rows, kind="stable")[:num_layers]  # flat slot of each layer, in layer order
+        return jax.tree.map(lambda a: _take_rows(a.reshape(-1, *a.shape[3:]), where), staged)
     order = np.argsort(schedule.stage_of.ravel())  # flat (r * v + c) of each stage, in stage order
 
     def one(a):
@@ -124,6 +156,7 @@ class Layout:
     batch: tuple  # the batch axes of size > 1 (manual)
     routed: tuple = ()  # (input key, the pipe rank that reads it): split over `pipe` along dim 2, see `gather`
     replicas: bool = False  # DiLoCo: weights and results [R, ...] over `replica`, rows split over it first
+    active: object = None  # an uneven layout's bool [p, v, Lc] of real layer slots (`active_layers`), or None
 
     @classmethod
     def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
@@ -141,10 +174,12 @@ class Layout:
                 raise ValueError(f"input {jax.tree_util.keystr(path)} has shape {a.shape}; it needs [m={m}, "
                                  f"rows, ...] with rows divisible by {dp} (the size of {rows})")
         lead = 1 if replicas else 0
+        active = active_layers(schedule)
         for path, a in jax.tree_util.tree_leaves_with_path(params["stages"]):
-            if a.shape[lead:lead + 2] != (p, v):
+            if a.shape[lead:lead + 2] != (p, v) or (active is not None and a.shape[lead + 2] != active.shape[2]):
+                lc = "" if active is None else f"Lc={active.shape[2]}, "
                 raise ValueError(f"stage weight {jax.tree_util.keystr(path)} has shape {a.shape}; it needs "
-                                 f"[{'R, ' * lead}p={p}, v={v}, ...]: convert stacked weights with "
+                                 f"[{'R, ' * lead}p={p}, v={v}, {lc}...]: convert stacked weights with "
                                  f"to_pipeline_layout")
         param_specs = param_specs or {}
         specs = {}
@@ -178,7 +213,7 @@ class Layout:
             batch_spec = {k: P(None, rows if rows else None, split) if k in routed_inputs else batch_spec
                           for k in inputs}
         manual = ((REPLICA,) if replicas else ()) + manual_axes(mesh, batch_axes, specs, input_spec)
-        return cls(mesh, specs, batch_spec, manual, batch, routed, replicas)
+        return cls(mesh, specs, batch_spec, manual, batch, routed, replicas, active)
 
     def local(self, tree):
         """Inside the shard_map: this replica's weights (the leading [R] dim, 1 per rank, dropped)."""

@@ -44,6 +44,8 @@ class Schedule:
       0..num_stages-1 run the model's layers in order.
     steady: the table is one window of an endless pipeline (see the module docstring): microbatch -k is
       the previous step's microbatch m-k, and slots (activations) stay live across windows.
+    layers: the model's layers per stage, in stage order (an uneven layout, `with_layers`), or None: every
+      stage holds num_layers / num_stages. The order of actions does not depend on it.
     """
     name: str
     num_ranks: int
@@ -52,6 +54,29 @@ class Schedule:
     table: np.ndarray
     stage_of: np.ndarray
     steady: bool = False
+    layers: tuple | None = None
+
+    def with_layers(self, layers) -> "Schedule":
+        """This schedule with `layers[s]` layers in stage s (None: even); checked against the stage count."""
+        if layers is not None:
+            layers = tuple(int(n) for n in layers)
+            if len(layers) != self.num_stages or min(layers) < 0 or sum(layers) < 1:
+                raise ScheduleError(f"{self.name}: a layout needs one layer count >= 0 per stage ({self.num_stages}: "
+                                    f"{self.num_ranks} ranks x {self.num_chunks} chunks), got {list(layers)}")
+        return dataclasses.replace(self, layers=layers)
+
+    def stage_layers(self, num_layers: int) -> tuple:
+        """Layers per stage, in stage order, for a model of `num_layers` layers."""
+        if self.layers is None:
+            if num_layers % self.num_stages:
+                raise ScheduleError(f"{num_layers} layers do not split evenly into {self.num_stages} pipeline "
+                                    f"stages; use a layer count divisible by {self.num_stages} or give "
+                                    f"pipeline.layout (layers per stage)")
+            return (num_layers // self.num_stages,) * self.num_stages
+        if sum(self.layers) != num_layers:
+            raise ScheduleError(f"the layout {list(self.layers)} holds {sum(self.layers)} layers, the model "
+                                f"{num_layers}; give counts that sum to {num_layers}")
+        return self.layers
 
     @property
     def num_stages(self) -> int:
@@ -75,6 +100,30 @@ class Schedule:
         """(rank, local chunk) that runs global stage `stage`."""
         r, c = np.argwhere(self.stage_of == stage)[0]
         return int(r), int(c)
+
+
+def balanced_layers(num_layers: int, num_stages: int, layer: float, first: float = 0.0, last: float = 0.0) -> tuple:
+    """Layers per stage (stage order) that minimise the largest stage cost `n * layer + extra`, where stage 0
+    also pays `first` (the embedding) and the last stage `last` (the head and loss): the smallest bound T
+    whose per-stage capacities `floor((T - extra) / layer)` hold every layer, then the surplus taken off
+    the costliest stages, the earliest of equals (early ranks hold the most activations in flight under
+    1F1B-like schedules). A stage may get no layers."""
+    extra = np.zeros(num_stages)
+    extra[0] += first
+    extra[-1] += last
+    if layer <= 0:
+        return (num_layers // num_stages + 1,) * (num_layers % num_stages) + \
+            (num_layers // num_stages,) * (num_stages - num_layers % num_stages)
+    bounds = sorted({n * layer + e for e in extra for n in range(num_layers + 1)})
+
+    def caps(t):
+        return np.floor((t - extra) / layer + 1e-9).clip(min=-1).astype(int)
+    t = next(t for t in bounds if (caps(t) >= 0).all() and caps(t).sum() >= num_layers)
+    n = caps(t)
+    for _ in range(int(n.sum()) - num_layers):
+        cost = np.where(n > 0, n * layer + extra, -np.inf)
+        n[int(np.argmax(cost))] -= 1
+    return tuple(int(a) for a in n)
 
 
 def action_str(kind, mb, chunk) -> str:

@@ -9,12 +9,23 @@ arguments of every method (the executor passes the version an action uses), neve
 What is stored between F and B is a layer's pullback without what the backward can fetch again: `probe`
 traces one layer's pullback once and sorts its leaves into the weights and microbatch inputs (fetched
 again), constants, and real residuals (stored in the slot, stacked over the chunk's layers).
+
+An uneven layout (`Schedule.layers`) pads every chunk to the largest stage's layer count; the methods then
+take `active`, one flag per layer slot of the chunk, and run each slot under a `lax.cond`: a padding slot
+passes the residual stream (or its cotangent) through and returns zeros for the rest, and its layer's
+work is skipped at run time, so a stage of fewer layers takes less time. The cond wraps a whole layer's
+forward, B or W, so the backward's B / W split (`split.py`) stays per layer.
 """
 import jax
 import jax.numpy as jnp
 
 from parallax.pipeline.layout import cast, vma, zeros
 from parallax.pipeline.split import SplitBackward
+
+
+def _zeros_as(aval):
+    """Zeros of an abstract value's shape, dtype and varying axes (`jax.eval_shape`'s output)."""
+    return zeros(jax.ShapeDtypeStruct(aval.shape, aval.dtype), axes=tuple(aval.manual_axis_type.varying))
 
 
 class Stage:
@@ -48,10 +59,21 @@ class Stage:
         lead = (self.num_layers,) if self.layered else ()
         return jax.tree.map(lambda a: zeros(jax.ShapeDtypeStruct(lead + a.shape, a.dtype), axes=vma(a)), tree)
 
-    def over_layers(self, fn, carry, xs, reverse=False):
-        """`lax.scan(fn, carry, xs)` over the chunk's layers; one call of fn on the whole chunk when opaque."""
+    def over_layers(self, fn, carry, xs, reverse=False, active=None):
+        """`lax.scan(fn, carry, xs)` over the chunk's layers; one call of fn on the whole chunk when opaque.
+        With `active` (bool per layer slot), `fn` runs only on the active slots: the others pass the carry
+        through and return zeros (`fn` must not change the carry's type)."""
         if self.layered:
-            return jax.lax.scan(fn, carry, xs, reverse=reverse)
+            if active is None:
+                return jax.lax.scan(fn, carry, xs, reverse=reverse)
+
+            def step(c, xs_on):
+                xs, on = xs_on
+                out = jax.eval_shape(fn, c, xs)
+                return jax.lax.cond(on, fn, lambda c, _: (c, jax.tree.map(_zeros_as, out[1])), c, xs)
+            return jax.lax.scan(step, carry, (xs, active), reverse=reverse)
+        if active is not None:
+            raise ValueError("an uneven layout needs the executor's layer_fn (one layer), not a stage_fn")
         return fn(carry, xs)
 
     def apply(self, w, x, mb):
@@ -115,22 +137,23 @@ class Stage:
         """What one boundary slot holds (`split_w`): each of a chunk's layers' boundary values (B -> W)."""
         return self.stack_like(self.boundary0)
 
-    def forward(self, w, x, mb):
-        """The chunk of weights `w` on x -> (y, what to store in the slot, aux loss term or None, stats or ())."""
+    def forward(self, w, x, mb, active=None):
+        """The chunk of weights `w` on x -> (y, what to store in the slot, aux loss term or None, stats or ()).
+        `active`: the chunk's layer slots that hold a layer (an uneven layout), or None: all."""
         if self.forward_only or self.remat:
             def body(h, wl):
                 y, term, stats = self.apply(wl, h, mb)
                 return y, (term, stats)
-            y, (terms, stats) = self.over_layers(body, x, w)
+            y, (terms, stats) = self.over_layers(body, x, w, active=active)
             if self.forward_only:  # evaluation: the loss alone
                 return y, (), None, ()
             return y, (x,), self.total(terms), stats
-        return self.forward_residuals(w, x, mb)
+        return self.forward_residuals(w, x, mb, active)
 
     def total(self, terms):
         return None if terms is None else jnp.sum(terms) if self.layered else terms
 
-    def forward_residuals(self, w, x, mb):
+    def forward_residuals(self, w, x, mb, active=None):
         """The chunk's forward with a vjp per layer -> (y, residual leaves stacked over layers, term, stats)."""
         def body(h, wl):
             y, pb, term, stats = self.vjp_layer(wl, h, mb)
@@ -140,7 +163,7 @@ class Stage:
                 raise RuntimeError("the stage's pullback changed structure between traces; stage_fn / layer_fn "
                                    "must not branch in Python on the values of its inputs")
             return y, (tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res"), term, stats)
-        y, (res, terms, stats) = self.over_layers(body, x, w)
+        y, (res, terms, stats) = self.over_layers(body, x, w, active=active)
         return y, res, self.total(terms), stats
 
     def pullback_leaves(self, wl, res, mb):
@@ -153,7 +176,7 @@ class Stage:
         """One layer's pullback rebuilt from its weights wl and residual leaves res."""
         return jax.tree.unflatten(self.treedef, self.pullback_leaves(wl, res, mb))
 
-    def backward(self, w, slot, mb, slots, dy, cots, need_dx, need_dw):
+    def backward(self, w, slot, mb, slots, dy, cots, need_dx, need_dw, active=None):
         """The chunk of weights `w` -> (dx or None, dW of the chunk or None, per-layer output cotangents to
         store or None).
 
@@ -164,25 +187,25 @@ class Stage:
         B + W does the work of one BW. Without per-layer cotangents (an opaque chunk, or remat) W takes
         the chunk's output cotangent and re-runs the chain below it (the inner layers' dx, then dead)."""
         if self.remat:  # recompute the residuals from the stored chunk input
-            res = self.forward_residuals(w, slots[0][slot], mb)[1]
+            res = self.forward_residuals(w, slots[0][slot], mb, active)[1]
         else:
             res = tuple(s[slot] for s in slots)
         if cots is not None:  # W: each layer's weight-gradient equations on B's stored boundary values
-            def body(_, xs):
+            def body(c, xs):
                 wl, rl, bnd = xs
-                return None, self.split.w(self.pullback_leaves(wl, rl, mb), bnd)
-            return None, self.over_layers(body, None, (w, res, cots))[1], None
+                return c, self.split.w(self.pullback_leaves(wl, rl, mb), bnd)
+            return None, self.over_layers(body, None, (w, res, cots), active=active)[1], None
 
         if self.split_w and need_dx and not need_dw:  # B: the input-cotangent equations, keeping the boundary
             def body(d, xs):
                 wl, rl = xs
                 return self.split.b(self.pullback_leaves(wl, rl, mb), d)
-            dx, stored = self.over_layers(body, dy, (w, res), reverse=True)
+            dx, stored = self.over_layers(body, dy, (w, res), reverse=True, active=active)
             return dx, None, stored
 
         def body(d, xs):
             wl, rl = xs
             dwl, dx = self.pullback(wl, rl, mb)(self.seed(d))
             return dx, dwl if need_dw else None
-        dx, dw = self.over_layers(body, dy, (w, res), reverse=True)
+        dx, dw = self.over_layers(body, dy, (w, res), reverse=True, active=active)
         return (dx if need_dx else None), dw, None
