@@ -26,6 +26,8 @@ flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "de
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "v_half", "v_min", "2bw"],
+                  "--part=pipeline: the schedules to measure.")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: "
                      "training steps.")
 FLAGS = flags.FLAGS
@@ -81,7 +83,7 @@ def bench_meshes(steps):
         print(f"| {name} | {dt:.3f} | {tokens / dt:,.0f} | {loss:.4f} |", flush=True)
 
 
-def bench_pipeline(steps):
+def bench_pipeline(steps, schedules):
     import math
 
     import jax
@@ -96,12 +98,12 @@ def bench_pipeline(steps):
     print("\n| schedule | p | m | ticks | matmul GFLOP per step (counted per branch) | temp MiB (compiled) |"
           "\n|---|---|---|---|---|---|")
     timed = {}  # schedule -> (trainer, dataset) at m = 8
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "2bw"):
+    for schedule in schedules:
         for m in (8, 16):
             config = _config(data=2, pipe=4)
             config.train.global_batch_size = 2 * m * 2
             config.pipeline.update(schedule=schedule, microbatches=m,
-                                   virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv") else 1)
+                                   virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv", "v_half", "v_min") else 1)
             trainer = Trainer(config, devices=jax.devices()[:8])
             dataset = make_dataset(config)
             state = trainer.init_state()
@@ -151,7 +153,7 @@ def _time_interleaved(timed, steps, rounds=5):
                 jax.block_until_ready(metrics)
                 times[name].append(time.perf_counter() - start)
             states[name] = state, metrics
-    base = float(np.median(times["1f1b"]))
+    base = float(np.median(times.get("1f1b", next(iter(times.values())))))
     print(f"\nstep time at m = 8, median of {rounds} x {steps} steps (schedules taking turns):\n"
           "| schedule | step time (s) | / 1f1b |\n|---|---|---|")
     for name, t in times.items():
@@ -499,7 +501,7 @@ def main(_):
     if FLAGS.part in ("all", "mesh"):
         bench_meshes(FLAGS.steps)
     if FLAGS.part in ("all", "pipeline"):
-        bench_pipeline(FLAGS.steps)
+        bench_pipeline(FLAGS.steps, FLAGS.schedules)
     if FLAGS.part == "muon":
         bench_muon()
     if FLAGS.part == "device":

@@ -26,6 +26,7 @@ import re
 import jax
 
 from parallax.errors import ConfigError
+from parallax.paths.pipeline import rank_balance
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
 
@@ -73,6 +74,7 @@ class MemoryReport:
     #                    DiLoCo's (the replicas' parameters, the outer momentum, rounding errors); 0 for others
     kernel_calls: int = 0  # custom calls of hand-written kernels in the compiled step (Mosaic tpu_custom_call)
     pipeline_label: str = "2bw in-flight state"  # what `pipeline` counts: the step path's own state (its label)
+    ranks: tuple = ()  # pipelined plans: `parallax.paths.pipeline.rank_balance`, one dict per pipeline rank
 
     @property
     def peak(self) -> int:
@@ -93,6 +95,9 @@ class MemoryReport:
                 ("XLA temporaries", self.xla_temp), ("peak = args + outputs + temp - aliased", self.peak)]
         unit, size = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
         lines = [f"| per device | {unit} |", "|---|---|"] + [f"| {name} | {b / size:.3f} |" for name, b in rows]
+        if self.ranks:
+            from parallax.paths.pipeline import balance_table
+            lines += ["", "Per pipeline rank (what its stages use and compute):", "", balance_table(self.ranks, self.peak)]
         return "\n".join(lines)
 
 
@@ -132,7 +137,8 @@ def memory_report(config, devices=None) -> MemoryReport:
         xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
         pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys),
-        kernel_calls=kernel_calls, pipeline_label=trainer.path.state_label)
+        kernel_calls=kernel_calls, pipeline_label=trainer.path.state_label,
+        ranks=tuple(rank_balance(trainer.plan)) if trainer.plan.schedule is not None else ())
 
 
 def _latest_step(workdir: str):

@@ -88,6 +88,27 @@ def test_uneven_layout_matches_single_device(reference7, schedule, pipe, layout)
     assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference7, TOL)
 
 
+def test_rank_balance_counts_every_layer_once_and_auto_evens_the_flops():
+    """`rank_balance` (plan.py's per-rank table): FLOPs over ranks = 3 x batch x (layers + embedding + head),
+    parameters over ranks = the model's; `auto` gives the head's rank fewer layers, and a smaller spread."""
+    from parallax.paths.pipeline import part_flops, rank_balance
+    ratios = {}
+    for layout in ("even", "auto"):
+        config = _config("1f1b", pipe=4, data=2)
+        config.model.update(num_layers=8, vocab_size=2048)  # a head of about 1.4 layers' FLOPs
+        config.pipeline.layout = layout
+        plan = make_plan(config, 8)
+        rows, flops = rank_balance(plan), part_flops(plan)
+        total = 3 * config.train.global_batch_size * (8 * flops["layer"] + flops["embed"] + flops["loss"])
+        assert abs(sum(r["flops"] for r in rows) / total - 1) < 1e-9
+        size = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(plan.abstract_params))
+        assert sum(r["params"] for r in rows) == size  # untied: embedding and head each on one rank
+        ratios[layout] = max(r["flops"] for r in rows) / min(r["flops"] for r in rows)
+        if layout == "auto":
+            assert rows[-1]["layers"] < rows[1]["layers"], rows
+    assert ratios["auto"] < ratios["even"], ratios
+
+
 def test_a_run_resumes_with_another_layout(tmp_path):
     """Checkpoints hold the stacked layers, whatever the layout: 2 steps with one layout, 2 more resumed with
     another, give the losses of 4 steps uninterrupted; `auto` in bf16 evaluates and resumes."""

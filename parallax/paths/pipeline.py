@@ -200,6 +200,51 @@ def part_flops(plan) -> dict:
             "loss": count(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest)}
 
 
+def rank_balance(plan) -> list:
+    """Per pipeline rank of a pipelined plan: what its stages use and do, one dict per rank with `stages`
+    (global stage ids), `layers` (real ones), `params` (parameters its stages read: their layers, the
+    embedding on stage 0's rank, the head on the last stage's; whole, before FSDP / tensor splits) and
+    `flops` (matmul FLOPs of a training step over the global batch: forward + backward = 3 x the counted
+    forward of `part_flops`, no recomputation counted). What balanced layouts are judged by (docs/pipeline.md)."""
+    import math
+    schedule, t = plan.schedule, _Tracing.make(plan)
+    flops, n = part_flops(plan), int(plan.config.model.num_layers)
+    counts = schedule.stage_layers(n)
+    per_layer = sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(t.blocks))
+
+    def size(keys):
+        return sum(math.prod(a.shape) for path, a in zip(_paths(t.rest), jax.tree.leaves(t.rest)) if path in keys)
+    first = size(_leaves_read(lambda p: t.model(p).embed(t.mb, DENSE), t.rest))
+    last = size(_leaves_read(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest))
+    sequences = 3 * int(plan.config.train.global_batch_size)
+    rows = []
+    for r in range(schedule.num_ranks):
+        stages = sorted(int(s) for s in schedule.stage_of[r])
+        layers = sum(counts[s] for s in stages)
+        has_first, has_last = 0 in stages, schedule.num_stages - 1 in stages
+        rows.append({"rank": r, "stages": stages, "layers": layers,
+                     "params": layers * per_layer + first * has_first + last * has_last,
+                     "flops": sequences * (layers * flops["layer"] + flops["embed"] * has_first
+                                           + flops["loss"] * has_last)})
+    return rows
+
+
+def balance_table(rows, peak=None) -> str:
+    """`rank_balance` rows as a markdown table, with the max / min ratios; `peak`: the step's per-device peak
+    (one SPMD program: every rank allocates the same buffers)."""
+    def ratio(key):
+        values = [r[key] for r in rows]
+        return max(values) / max(min(values), 1)
+    lines = ["| pipe rank | stages | layers | parameters used | training FLOPs (matmul) |", "|---|---|---|---|---|"]
+    lines += [f"| {r['rank']} | {','.join(map(str, r['stages']))} | {r['layers']} | {r['params'] / 1e6:,.1f} M | "
+              f"{r['flops']:.3e} |" for r in rows]
+    lines.append(f"| max / min | | | {ratio('params'):.2f} | {ratio('flops'):.2f} |")
+    if peak is not None:
+        lines.append(f"\nper-rank peak: {peak / 2**30:.2f} GiB on every rank (one SPMD program: each rank "
+                     f"allocates the largest stage's buffers)")
+    return "\n".join(lines)
+
+
 class _Tracing(NamedTuple):
     """A zero-row microbatch, the non-block parameters, the stacked blocks (all abstract), the blocks'
     graphdef, `model(rest)`: the model on those, and `x`: the residual stream's shape after `embed`."""
