@@ -6,6 +6,7 @@
     python launch/bench.py --part=device --cpu_devices=0 [--steps=30]  # on a GPU / TPU machine: tokens/s/chip, MFU
     python launch/bench.py --part=device --smoke                       # the same script, tiny, on CPU (a test)
     python launch/bench.py --part=generate --cpu_devices=1             # decode tokens/s, KV cache vs none
+    python launch/bench.py --part=balance --cpu_devices=1              # pipeline layouts of Llama 3 8B: per-rank work
     python launch/bench.py --part=diloco --cpu_devices=4 --steps=800   # DiLoCo vs data parallel: eval loss
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -21,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
-flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "muon", "data", "device", "generate", "diloco"],
+flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
+                                  "diloco"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
@@ -128,6 +130,37 @@ def bench_pipeline(steps, schedules):
             if m == 8:
                 timed[schedule] = trainer, dataset
     _time_interleaved(timed, steps)
+
+
+def bench_balance():
+    """Llama 3 8B (128,256 vocabulary) at pipe 4 and 8: per-rank parameters and counted FLOPs, and the
+    simulator's step time at per-stage costs from those FLOPs, for even and `auto` layouts (no compile)."""
+    import numpy as np
+
+    from parallax.defaults import config_from_args
+    from parallax.paths.pipeline import part_flops, rank_balance
+    from parallax.pipeline.simulate import flop_costs, simulate
+    from parallax.plan import make_plan
+
+    print("\n| pipe | m | schedule | layout | layers per stage | params max/min | FLOPs max/min | lockstep time "
+          "/ ideal | async time / ideal |\n|---|---|---|---|---|---|---|---|---|")
+    for p in (4, 8):
+        for schedule in ("1f1b", "zb_h1", "zbv", "v_half"):
+            for layout in ("even", "auto"):
+                config = config_from_args("configs/llama3_8b.py", [])
+                config.mesh.update(data=1, fsdp=8, tensor=1, pipe=p)
+                config.train.microbatches = 1
+                v = 2 if schedule in ("zbv", "v_half") else 1
+                config.pipeline.update(schedule=schedule, virtual_stages=v, microbatches=4 * p, layout=layout)
+                plan = make_plan(config, 8 * p, "tpu")
+                rows, flops = rank_balance(plan), part_flops(plan)
+                costs = flop_costs(plan.schedule, 32, flops["layer"], flops["embed"], flops["loss"])
+                ideal = sum(np.sum(c) for c in costs.values()) * plan.schedule.num_microbatches / p
+                times = [simulate(plan.schedule, costs, mode).total_time / ideal for mode in ("lockstep", "async")]
+                ratio = [max(r[k] for r in rows) / min(r[k] for r in rows) for k in ("params", "flops")]
+                layers = ",".join(map(str, plan.schedule.stage_layers(32)))
+                print(f"| {p} | {4 * p} | {schedule} | {layout} | {layers} | {ratio[0]:.2f} | {ratio[1]:.2f} | "
+                      f"{times[0]:.3f} | {times[1]:.3f} |", flush=True)
 
 
 def _time_interleaved(timed, steps, rounds=5):
@@ -495,13 +528,15 @@ def main(_):
     if FLAGS.part == "diloco":
         bench_diloco(FLAGS.steps)
         return
-    if FLAGS.part not in ("device", "generate"):
+    if FLAGS.part not in ("device", "generate", "balance"):
         print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices; model: 8 layers, "
               f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")
     if FLAGS.part in ("all", "mesh"):
         bench_meshes(FLAGS.steps)
     if FLAGS.part in ("all", "pipeline"):
         bench_pipeline(FLAGS.steps, FLAGS.schedules)
+    if FLAGS.part == "balance":
+        bench_balance()
     if FLAGS.part == "muon":
         bench_muon()
     if FLAGS.part == "device":

@@ -345,14 +345,16 @@ def _spread(num_layers, num_stages) -> str:
 
 
 def _auto_layout(plan):
-    """`plan` with `pipeline.layout='auto'` resolved: layers per stage balancing the counted forward matmul
-    FLOPs of a layer, the embedding (stage 0) and the head and loss (the last stage), per `balanced_layers`."""
+    """`plan` with `pipeline.layout='auto'` resolved: the layers per stage with the shortest simulated
+    lockstep step at per-stage costs from the counted forward matmul FLOPs of a layer, the embedding
+    (stage 0) and the head and loss (the last stage): `parallax.pipeline.simulate.best_layout`."""
     if plan.schedule is None or str(plan.config.pipeline.layout).strip() != "auto":
         return plan
     from parallax.paths.pipeline import part_flops  # the model's parts, traced as the pipeline splits them
+    from parallax.pipeline.simulate import best_layout
     flops = part_flops(plan)
-    layers = balanced_layers(int(plan.config.model.num_layers), plan.schedule.num_stages, flops["layer"],
-                             flops["embed"], flops["loss"])
+    layers = best_layout(plan.schedule, int(plan.config.model.num_layers), flops["layer"], flops["embed"],
+                         flops["loss"])
     return dataclasses.replace(plan, schedule=plan.schedule.with_layers(layers))
 
 

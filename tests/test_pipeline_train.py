@@ -90,7 +90,8 @@ def test_uneven_layout_matches_single_device(reference7, schedule, pipe, layout)
 
 def test_rank_balance_counts_every_layer_once_and_auto_evens_the_flops():
     """`rank_balance` (plan.py's per-rank table): FLOPs over ranks = 3 x batch x (layers + embedding + head),
-    parameters over ranks = the model's; `auto` gives the head's rank fewer layers, and a smaller spread."""
+    parameters over ranks = the model's; here `auto` (the shortest simulated step) gives the head's rank fewer
+    layers, and a smaller spread of FLOPs."""
     from parallax.paths.pipeline import part_flops, rank_balance
     ratios = {}
     for layout in ("even", "auto"):

@@ -522,3 +522,17 @@ def test_render_summary_of_2bw_shows_its_window_the_first_steps_and_their_bubble
     assert "the first 3 steps from an empty pipeline:" in text
     assert "bubble per step, async: 0.167 0.000 0.000; lockstep: 0.286 0.250 0.250" in text
     assert text.endswith("schedule=2bw stages=2 microbatches=4 bubble=0.250 (steady, lockstep) peak_slots=2 ticks=8")
+
+
+def test_best_layout_shortens_the_lockstep_step_at_counted_costs():
+    """At Llama 3 8B's proportions (the head and loss about 2.4 layers of forward FLOPs, 32 layers) the
+    `auto` layout is never slower than the even one in the simulator, and faster where the head's stage
+    sets the pace (zb_h1 at p = 8); the layers all land somewhere."""
+    from parallax.pipeline.simulate import best_layout, flop_costs, simulate
+    for name, v, p, faster in (("1f1b", 1, 4, False), ("zb_h1", 1, 8, True), ("zbv", 2, 4, False)):
+        sched = make_schedule(name, p, 4 * p, v)
+        layers = best_layout(sched, 32, 1.0, 0.0, 2.4)
+        assert sum(layers) == 32 and len(layers) == p * v
+        even, auto = (simulate(s, flop_costs(s, 32, 1.0, 0.0, 2.4)).total_time
+                      for s in (sched, sched.with_layers(layers)))
+        assert auto <= even and (auto < 0.95 * even) == faster, (name, layers, auto, even)

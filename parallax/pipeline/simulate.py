@@ -48,10 +48,52 @@ def parse_costs(text: str) -> dict:
 
 
 def _cost_table(schedule: Schedule, costs) -> np.ndarray:
+    """float [ticks, ranks]: each action's cost; a kind's cost is one number, or one per global stage."""
     c = dict(DEFAULT_COSTS, **(costs or {}))
-    c.setdefault("BW", c["B"] + c["W"])
-    by_kind = np.array([0.0, c["F"], c["B"], c["W"], c["BW"]])
-    return by_kind[schedule.table[..., 0]]
+    c.setdefault("BW", np.add(c["B"], c["W"]))
+    stages = schedule.num_stages
+    by_kind = np.stack([np.zeros(stages)] + [np.broadcast_to(np.asarray(c[k], float), (stages,))
+                                             for k in ("F", "B", "W", "BW")])  # [kind, stage]
+    kinds, chunks = schedule.table[..., 0], np.maximum(schedule.table[..., 2], 0)
+    stage = schedule.stage_of[np.arange(schedule.num_ranks)[None, :], chunks]
+    return by_kind[kinds, stage]
+
+
+def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0) -> dict:
+    """Per-stage action costs from counted forward FLOPs (`parallax.paths.pipeline.part_flops`), as the
+    executor runs the actions: F = the stage's layers (+ the embedding on stage 0; on the last stage the
+    head and loss forward *and* backward, which its F runs to start the backward: 3 x `loss`), B = W = the
+    layers' forward FLOPs each (input and weight gradients: one matmul each per forward matmul)."""
+    n = np.asarray(schedule.stage_layers(num_layers), float)
+    f = n * layer
+    f[0] += embed
+    f[-1] += 3 * loss
+    return {"F": f, "B": n * layer, "W": n * layer}
+
+
+def best_layout(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0) -> tuple:
+    """Layers per stage for `schedule` that make its lockstep step time (what the executor pays) shortest at
+    the per-stage costs of `flop_costs`: from the best of the even layout (when it exists) and the FLOP-
+    balanced one (`balanced_layers`), move one layer between two stages while that shortens the step.
+    The table does not depend on the layout, so each candidate is one vectorised simulation."""
+    from parallax.pipeline.schedule import balanced_layers
+    stages = schedule.num_stages
+
+    def time(layers):
+        s = schedule.with_layers(layers)
+        return simulate(s, flop_costs(s, num_layers, layer, embed, loss)).total_time
+    starts = [balanced_layers(num_layers, stages, layer, embed, loss)]
+    if num_layers % stages == 0:
+        starts.append((num_layers // stages,) * stages)
+    best = min(starts, key=time)
+    best_time = time(best)
+    while True:
+        moves = [tuple(n - (k == i) + (k == j) for k, n in enumerate(best))
+                 for i in range(stages) for j in range(stages) if i != j and best[i] > 0]
+        timed = min(((time(m), m) for m in moves), default=(best_time, best))
+        if timed[0] >= best_time * (1 - 1e-9):
+            return tuple(int(n) for n in best)
+        best_time, best = timed
 
 
 def live_slots(schedule: Schedule) -> np.ndarray:
@@ -62,7 +104,8 @@ def live_slots(schedule: Schedule) -> np.ndarray:
 
 
 def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockstep") -> SimResult:
-    """Times `schedule` with per-kind `costs` (default F = B = W = 1, BW = B + W) in `mode`."""
+    """Times `schedule` with per-kind `costs` (default F = B = W = 1, BW = B + W) in `mode`; a kind's cost
+    may be an array over the global stages (`flop_costs`)."""
     if mode not in ("lockstep", "async"):
         raise ValueError(f"mode must be 'lockstep' or 'async', got {mode!r}")
     if schedule.steady:
