@@ -320,6 +320,16 @@ def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
     except ScheduleError as e:
         raise ConfigError(f"config.pipeline (schedule={pc.schedule!r}, microbatches={pc.microbatches}, "
                           f"virtual_stages={pc.virtual_stages}, mesh.pipe={p}): {e}") from None
+    if pc.vocab_parallel:
+        v, t = int(m.vocab_size), sizes["tensor"]
+        if schedule.steady or sizes[mesh_lib.REPLICA] > 1:
+            raise ConfigError(f"config.pipeline.vocab_parallel=True with schedule={pc.schedule!r}, mesh.replica="
+                              f"{sizes[mesh_lib.REPLICA]}: it runs with the flushing schedules and one replica; "
+                              f"set pipeline.vocab_parallel=False")
+        if v % (p * t):
+            raise ConfigError(f"config.pipeline.vocab_parallel=True: model.vocab_size={v} must be divisible by "
+                              f"mesh.pipe x mesh.tensor = {p * t} (the head's vocabulary is split over both); "
+                              f"pad the vocabulary to {-(-v // (p * t)) * p * t}")
     layout = str(pc.layout).replace(" ", "")
     if layout == "even" and m.num_layers % schedule.num_stages:
         raise ConfigError(

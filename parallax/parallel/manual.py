@@ -141,6 +141,7 @@ class Parallelism:
     platform: str | None = None  # of the devices compiled for (the plan's); None: the host's backend
     attention_impl: str = "blockwise"  # the local attention kernel: blockwise | splash | cudnn (the plan resolves auto)
     decoding: bool = False  # generating (parallax.generate), not training: e.g. a router may route every token
+    vocab_axes: tuple = ()  # the head's vocabulary split over these axes (pipeline.vocab_parallel: pipe, tensor)
 
     @property
     def manual(self) -> bool:
@@ -289,6 +290,9 @@ class Parallelism:
         """Weighted cross-entropy summed over this rank's tokens (not yet over the batch axes or `seq`):
         vocabulary-parallel over `tensor` (logits [B, T/s, V/t]; the full value on every tensor rank),
         dense otherwise (logits [B, T, V]). The caller divides by the global weight total."""
+        if self.vocab_axes:  # the vocabulary over `pipe` too (pipeline.vocab_parallel): rank pipe * t + tensor
+            return vocab.vocab_parallel_cross_entropy(logits, batch["targets"], batch["weights"],
+                                                      axis_name=self.vocab_axes)
         if self.tensor > 1:
             return vocab.vocab_parallel_cross_entropy(logits, batch["targets"], batch["weights"])
         return vocab.cross_entropy_sum(logits, batch["targets"], batch["weights"])

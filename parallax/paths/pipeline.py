@@ -11,6 +11,7 @@ every layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from parallax import model as model_lib
 from parallax import sharding
 from parallax.compat import dce_jaxpr
+from parallax.errors import ConfigError
 from parallax.parallel import sequence
 from parallax.parallel.manual import DENSE, MODEL_AXES
 from parallax.paths.base import StepPath
@@ -63,12 +65,21 @@ class PipelinePath(StepPath):
             and plan.config.train.seq_len % (plan.sizes["seq"] * plan.sizes["pipe"]) == 0) else {}
         self.outer_par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
         self.stage_par = self._stage_parallelism()
-        rest_specs = self.outer_par.param_specs({k: v for k, v in plan.logical.items() if k != "blocks"})
+        self.vocab_parallel = bool(plan.config.pipeline.vocab_parallel)
+        rest_logical = {k: v for k, v in plan.logical.items() if k != "blocks"}
+        rest_specs = self.outer_par.param_specs(rest_logical)
+        if self.vocab_parallel:
+            if self.first_keys & self.last_keys:
+                raise ConfigError(f"config.pipeline.vocab_parallel=True: the model's head shares parameters with "
+                                  f"its embedding ({', '.join(sorted(self.first_keys & self.last_keys))}); it "
+                                  f"needs an untied head; set pipeline.vocab_parallel=False")
+            last_specs = jax.tree.map(_vocab_over_pipe, rest_specs, rest_logical, is_leaf=lambda x: isinstance(x, P))
+            self.routed = {k: v for k, v in self.routed.items() if v != "last"}  # every rank reads the targets
         # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
         self.param_specs = {
             "first": _subtree(rest_specs, self.first_keys),
             "stages": jax.tree.map(lambda s: P(None, *s[1:]), self.stage_par.param_specs(plan.logical["blocks"])),
-            "last": _subtree(rest_specs, self.last_keys)}
+            "last": _subtree(last_specs if self.vocab_parallel else rest_specs, self.last_keys)}
         self.input_spec = P("seq") if self.outer_par.seq > 1 else P()
 
     # --- the batch ------------------------------------------------------------------------------------
@@ -138,8 +149,12 @@ class PipelinePath(StepPath):
                 aux = jax.tree.map(lambda a: jax.lax.pmean(a, "tensor"), aux)
             return x, (model_lib.aux_loss(aux), aux)
 
+        head_par = par
+        if self.vocab_parallel:  # the head's vocabulary over (pipe, tensor): rank pipe * t + tensor
+            head_par = dataclasses.replace(par, vocab_axes=("pipe", "tensor") if par.tensor > 1 else ("pipe",))
+
         def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
-            return model(rest_params).loss(x, mb, par)
+            return model(rest_params).loss(x, mb, head_par)
         return {"first_fn": first_fn, "layer_fn": layer_fn, "last_fn": last_fn}
 
     def executor_args(self, params, batch, schedule, replicas: bool = False) -> dict:
@@ -157,7 +172,7 @@ class PipelinePath(StepPath):
                     "last": _subtree(rest, self.last_keys)},
             inputs=self.split_microbatches(laid_out, schedule.num_microbatches, replicas=replicas), mesh=self.mesh,
             batch_axes=self.plan.batch_axes, param_specs=self.param_specs, input_spec=self.input_spec,
-            routed_inputs=self.routed, replicas=replicas)
+            routed_inputs=self.routed, replicas=replicas, **({"vocab_parallel": True} if self.vocab_parallel else {}))
 
     def unstage(self, params, grads, schedule, replicas: bool = False):
         """Executor gradients `{first, stages, last}` -> the layout of `params`."""
@@ -184,6 +199,17 @@ class PipelinePath(StepPath):
         from_layout = functools.partial(from_pipeline_layout, schedule=schedule)
         aux = (jax.vmap(from_layout) if replicas else from_layout)(out[2]) if self.stage_aux else {}
         return out[0], self.unstage(params, out[1], schedule, replicas), aux
+
+
+def _vocab_over_pipe(spec: P, names) -> P:
+    """A `last` weight's spec with its vocabulary dim split over `pipe` as well, pipe-major (vocab_parallel)."""
+    if not names or "vocab" not in names:
+        return spec
+    entries = list(spec) + [None] * (len(names) - len(spec))
+    for i, name in enumerate(names):
+        if name == "vocab":
+            entries[i] = ("pipe", *sharding.spec_axes(entries[i]))
+    return P(*entries)
 
 
 def part_flops(plan) -> dict:

@@ -25,7 +25,8 @@ from parallax.pipeline.stage import Stage
 
 def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None,
                             layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
-                            input_spec=P(), stage_aux=False, routed_inputs=None, replicas=False):
+                            input_spec=P(), stage_aux=False, routed_inputs=None, replicas=False,
+                            vocab_parallel=False):
     """Loss and gradients of a pipelined model, running `schedule` over the mesh axis `pipe`.
 
     The model is `sum_mb last_fn(last, stage_{S-1}(... stage_0(first_fn(first, mb)) ...), mb)`. Give either
@@ -50,6 +51,11 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     replicas: R independent pipelines over the mesh axis `replica` (DiLoCo): every params leaf has a leading
       [R] dim split over it, the input rows are split over it first, and every result gains a leading [R]
       dim: replica r's, from its own weights and rows. Nothing is summed over `replica`.
+    vocab_parallel: last_fn runs on every pipe rank, on its own shard of the `last` weights (their specs
+      name `pipe`, e.g. the head split along the vocabulary), as a pass outside the per-rank switch in the
+      tick of each microbatch's last-stage forward (`_Ticks.head_pass`): the last stage's output is
+      broadcast over `pipe`, last_fn may use collectives over `pipe` and returns the same loss on every
+      rank, and the input cotangent (summed over `pipe` by the transpose) goes to the last stage's B.
 
     Returns (loss, grads[, stats]): grads in the structure and layout of `params`, fp32, equal to
     `jax.value_and_grad` of the unpipelined model; stats leaves `[p, v, ...]`. Every weight is cast to
@@ -71,12 +77,12 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     # Stats leaves are [1, v, ...] per rank, split over `pipe` (P("pipe") is a prefix spec for all of them).
     out_specs = (layout.stacked_spec(P()), layout.specs, layout.stacked_spec(P("pipe")))[:3 if stage_aux else 2]
     return _run(layout, compile_schedule(schedule), (first_fn, stage_fn, layer_fn, last_fn), (params,), inputs,
-                finish, out_specs, remat=remat, stage_aux=stage_aux, split_w=True)
+                finish, out_specs, remat=remat, stage_aux=stage_aux, split_w=True, vocab_parallel=vocab_parallel)
 
 
 def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None, layer_fn=None,
                   batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False, routed_inputs=None,
-                  replicas=False):
+                  replicas=False, vocab_parallel=False):
     """The loss of `pipeline_value_and_grad` alone (evaluation): the same shard_map and layout, running
     only the schedule's F actions (`compile_schedule(..., forward_only=True)`); nothing is stored for a
     backward and no gradient is accumulated. Stages' aux losses are not included (last_fn's loss alone).
@@ -86,7 +92,7 @@ def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh
     return _run(layout, compile_schedule(schedule, forward_only=True), (first_fn, stage_fn, layer_fn, last_fn),
                 (params,), inputs,
                 lambda ticks, loss, *_: layout.stacked(layout.reduce(loss, {}, {}, ticks.loss_axes)[0]),
-                layout.stacked_spec(P()), forward_only=True, stage_aux=stage_aux)
+                layout.stacked_spec(P()), forward_only=True, stage_aux=stage_aux, vocab_parallel=vocab_parallel)
 
 
 def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previous, inputs, mesh, inflight=None,
@@ -181,8 +187,9 @@ class _Ticks:
     (stages `[1, v, ...]` on this rank), oldest first; one for a flushing schedule."""
 
     def __init__(self, fns, manual, versions, inputs, *, remat=False, forward_only=False, stage_aux=False,
-                 batch=(), layered=False, split_w=False, active=None):
+                 batch=(), layered=False, split_w=False, active=None, vocab_parallel=False):
         self.first_fn, layer_fn, self.last_fn = fns
+        self.vocab_parallel = vocab_parallel
         self.active = active  # bool [p, v, Lc] numpy: an uneven layout's real layer slots (`active_layers`)
         self.manual, self.forward_only = manual, forward_only
         # Every weight varies over every manual axis, so that no vjp transpose inserts a psum.
@@ -203,7 +210,7 @@ class _Ticks:
                            remat=remat, forward_only=forward_only, split_w=split_w, stats_axes=("pipe", *batch))
         # The loss is summed over `pipe` and the manual axes last_fn's value (and, in training, the stages'
         # aux losses) vary over.
-        loss_vma = vma(self.last_fn(last, self.x0, mb0))
+        loss_vma = vma(self.last_fn(last, self.x0, mb0)) | ({"pipe"} if vocab_parallel else set())
         if self.stage.term0 is not None:
             loss_vma = loss_vma | vma(self.stage.term0)
         self.loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
@@ -256,6 +263,8 @@ class _Ticks:
             mb = _index(self.inputs, ins[Field.MB])
             y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), inbox[ins[Field.IN]], mb,
                                                 self.active_of(ins))
+            if self.vocab_parallel:  # the head runs after the switch, on every rank (`head_pass`)
+                return self.out(msg=y, res=res, loss=term, stats=stats or None)
             if self.forward_only:
                 return self.out(loss=self.last_fn(last_p, y, mb))
             l, pb = jax.vjp(lambda lp, y: self.last_fn(lp, y, mb), last_p, y)
@@ -283,6 +292,32 @@ class _Ticks:
                  Op.BW_FIRST: functools.partial(bwd, need_dx=True, need_dw=True, first=True)}
         return [functools.partial(impls[b], w) for w in self.versions for b in prog.branches]
 
+    def head_pass(self, mb_index, last_rank, msg, inbox, ins, loss, grads):
+        """The vocabulary-parallel head (`vocab_parallel`) of microbatch `mb_index` on every pipe rank, in the
+        tick of its last-stage forward: the last stage's output `msg` broadcast from `last_rank` (a psum of
+        zeros elsewhere), last_fn on this rank's `last` shard (its collectives over `pipe` give every rank the
+        loss), and, training, the vjp: this rank's `last` gradient accumulated, and the output cotangent,
+        summed over `pipe` by the transpose of the broadcast value's use, written where the last stage's B
+        reads it (its LOCAL inbox entry). Outside the switch: every rank takes the same branch."""
+        rank = jax.lax.axis_index("pipe")
+        _, _, last = self.versions[-1]
+        h = jax.lax.psum(jnp.where(rank == last_rank, msg, jnp.zeros((), msg.dtype)), "pipe")
+        mb = _index(self.inputs, mb_index)
+        on_last = rank == last_rank  # the loss counts once, summed over `pipe` by the reduction
+        if self.forward_only:
+            l = self.last_fn(last, h, mb).astype(jnp.float32)
+            return inbox, loss + cast(jnp.where(on_last, l, 0.0), self.loss_axes), grads
+        l, pb = jax.vjp(lambda lp, h: self.last_fn(lp, h, mb), last, h)
+        # The loss is the same on every rank; typed varying over `pipe` (the inputs are), a cotangent of 1 on
+        # each rank would count it p times, so it is seeded on one rank.
+        seed = cast(jnp.where(on_last, 1.0, 0.0).astype(l.dtype), tuple(vma(l))) if "pipe" in vma(l) else \
+            jnp.ones_like(l)
+        dlast, dh = pb(seed)
+        inbox = _write(inbox, jnp.where(on_last, ins[Field.LOCAL], -1), dh.astype(inbox.dtype))
+        gw, gf, gl = grads
+        gl = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), gl, dlast)
+        return inbox, loss + cast(jnp.where(on_last, l.astype(jnp.float32), 0.0), self.loss_axes), (gw, gf, gl)
+
     def tick(self, prog: Program):
         """One scan step: every rank switches on its own instruction, then the messages move.
 
@@ -298,8 +333,10 @@ class _Ticks:
         up_patterns, down_patterns = prog.send_patterns("up")[1], prog.send_patterns("down")[1]
         versions, v = len(self.versions), self.num_chunks
 
-        def step(carry, xs):  # code_t: [p, fields]; send_t: this tick's send pattern up and down (0: none)
-            code_t, send_t = xs
+        last_rank = int(np.argwhere(self.ops(prog) == Op.F_LAST)[0][1]) if self.vocab_parallel else -1
+
+        def step(carry, xs):  # code_t: [p, fields]; send_t: this tick's send pattern up and down (0: none);
+            code_t, send_t, head_t = xs  # head_t: the microbatch of this tick's last-stage forward, or -1
             slots, cots, inbox, grads, loss, stats = carry
             ins = code_t[rank]
             version = ins[Field.VERSION]
@@ -320,12 +357,26 @@ class _Ticks:
                     gf, gl = jax.tree.map(jnp.add, gf, df), jax.tree.map(jnp.add, gl, dl)
                 grads = (gw, gf, gl)
             inbox = _write(inbox, ins[Field.LOCAL], msg)
+            if self.vocab_parallel:  # xs carries the microbatch of this tick's last-stage forward (-1: none)
+                def head(inbox, loss, grads):
+                    return self.head_pass(head_t, last_rank, msg, inbox, ins, loss, grads)
+                inbox, loss, grads = jax.lax.cond(head_t >= 0, head, lambda *a: a, inbox, loss, grads)
             if up_patterns:
                 inbox = _write(inbox, ins[Field.FROM_UP], _send(send_t[0], msg, up_patterns))
             if down_patterns:
                 inbox = _write(inbox, ins[Field.FROM_DOWN], _send(send_t[1], msg, down_patterns))
             return (slots, cots, inbox, grads, loss + dloss, stats), None
         return step
+
+    @staticmethod
+    def ops(prog: Program) -> np.ndarray:
+        """int [ticks, p]: the `Op` of each rank's instruction."""
+        return np.asarray(prog.branches)[prog.code[..., Field.BRANCH]]
+
+    def head_ticks(self, prog: Program) -> np.ndarray:
+        """int [ticks]: the microbatch whose last-stage forward runs at each tick, or -1."""
+        last = self.ops(prog) == Op.F_LAST  # [ticks, p]
+        return np.where(last.any(axis=1), (prog.code[..., Field.MB] * last).sum(axis=1), -1)
 
     def run(self, prog: Program, inflight=None):
         """Runs every tick of `prog`; returns this rank's (loss, (dW, d first, d last), stats per chunk
@@ -353,6 +404,6 @@ class _Ticks:
         stats = jax.tree.map(lambda a: buffer(a, self.num_chunks), stage.stats0)
         carry = (slots, cots, inbox, grads, zeros(jax.ShapeDtypeStruct(lead, f32), axes=self.loss_axes), stats)
         sends = np.stack([prog.send_patterns("up")[0], prog.send_patterns("down")[0]], axis=1)
-        (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(self.tick(prog), carry,
-                                                                (jnp.asarray(prog.code), jnp.asarray(sends)))
+        (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(
+            self.tick(prog), carry, (jnp.asarray(prog.code), jnp.asarray(sends), jnp.asarray(self.head_ticks(prog))))
         return loss, grads, stats, (slots, inbox)
