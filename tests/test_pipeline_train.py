@@ -66,6 +66,21 @@ def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps), reference, TOL)
 
 
+# The head and loss split over the pipe ranks along the vocabulary (pipeline.vocab_parallel): the V
+# placement (head on rank 0) and 1F1B's (head on rank p-1), with tensor (vocabulary over pipe x tensor) and FSDP.
+VOCAB_CASES = [("1f1b", dict(pipe=2, data=4)), ("zbv", dict(pipe=4, data=2)), ("v_half", dict(pipe=4, data=2)),
+               ("1f1b", dict(pipe=2, tensor=2, data=2)), ("zbv", dict(pipe=2, fsdp=2, data=2))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,mesh", VOCAB_CASES,
+                         ids=[f"{s}-" + ",".join(f"{k}={v}" for k, v in m.items()) for s, m in VOCAB_CASES])
+def test_vocab_parallel_head_matches_single_device(reference, schedule, mesh):
+    config = _config(schedule, **mesh)
+    config.pipeline.vocab_parallel = True
+    assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference, TOL)
+
+
 @pytest.fixture(scope="module")
 def reference7():
     config = _config()
@@ -111,22 +126,24 @@ def test_rank_balance_counts_every_layer_once_and_auto_evens_the_flops():
 
 
 def test_a_run_resumes_with_another_layout(tmp_path):
-    """Checkpoints hold the stacked layers, whatever the layout: 2 steps with one layout, 2 more resumed with
-    another, give the losses of 4 steps uninterrupted; `auto` in bf16 evaluates and resumes."""
+    """Checkpoints hold the stacked layers and the whole head, whatever the layout: 2 steps with one layout
+    and the vocabulary-parallel head, 2 more resumed with another layout and without it, give the losses of 4
+    steps uninterrupted; `auto` with the vocabulary-parallel head in bf16 evaluates and resumes."""
     from helpers import bf16_train_eval_resume
     from parallax.train import train_and_evaluate
 
-    def run(layout, steps, workdir):
+    def run(layout, steps, workdir, vocab_parallel=False):
         config = _config("1f1b", pipe=2, data=4)
-        config.pipeline.layout = layout
+        config.pipeline.update(layout=layout, vocab_parallel=vocab_parallel)
         config.train.update(steps=steps, eval_every=0, checkpoint_every=2, log_every=1)
         config.optim.decay_steps = 4
         return [r["loss"] for r in train_and_evaluate(config, str(workdir), log=lambda *_: None).history]
     whole = run("even", 4, tmp_path / "whole")
-    first, second = run("3,5", 2, tmp_path / "split"), run("6,2", 4, tmp_path / "split")
+    first, second = run("3,5", 2, tmp_path / "split", vocab_parallel=True), run("6,2", 4, tmp_path / "split")
     np.testing.assert_allclose(first + second, whole, rtol=TOL)
     config = _config("1f1b", pipe=4, data=2)
-    config.model.num_layers, config.pipeline.layout = 7, "auto"
+    config.model.num_layers = 7
+    config.pipeline.update(layout="auto", vocab_parallel=True)
     bf16_train_eval_resume(config, tmp_path / "bf16")
 
 
@@ -134,12 +151,14 @@ def test_a_run_resumes_with_another_layout(tmp_path):
     (dict(model=dict(num_layers=6)), "num_layers=6: not divisible into 4 pipeline stages"),
     (dict(pipeline=dict(layout="3,3")), "config.pipeline.layout='3,3': give 'even', 'auto' or 4 layer counts"),
     (dict(pipeline=dict(layout="2,2,2,1")), "summing to model.num_layers=8, e.g. '2,2,2,2'"),
+    (dict(pipeline=dict(vocab_parallel=True), model=dict(vocab_size=66)), "pad the vocabulary to 68"),
+    (dict(pipeline=dict(vocab_parallel=True, schedule="2bw")), "runs with the flushing schedules and one replica"),
     (dict(pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)), "set microbatches=4"),
     (dict(pipeline=dict(schedule="pipedream")), "unknown schedule 'pipedream'"),
     (dict(pipeline=dict(microbatches=3)), "pipeline.microbatches=3"),
     (dict(train=dict(microbatches=2)), "set train.microbatches=1"),
     (dict(mesh=dict(data=1, seq=2), model=dict(attention="ring")), "use attention='allgather'"),
-], ids=["layers", "layout-stages", "layout-sum", "interleaved-m", "unknown", "batch", "accumulation", "ring"])
+], ids=["layers", "layout-stages", "layout-sum", "vocab-size", "vocab-2bw", "interleaved-m", "unknown", "batch", "accumulation", "ring"])
 def test_bad_pipeline_config_names_the_fix(change, expected):
     config = _config("1f1b", pipe=4, data=2)
     for section, values in change.items():

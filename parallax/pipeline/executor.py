@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from parallax.parallel.tensor import reduction_dtype
 from parallax.pipeline.layout import Layout, cast, vma, zeros
 from parallax.pipeline.program import Field, Op, Program, compile_schedule
 from parallax.pipeline.schedule import Schedule
@@ -143,6 +144,8 @@ def _run(layout, prog, fns, weights, inputs, finish, out_specs, inflight=None, i
     fns, k = (first_fn, stage_fn or layer_fn, last_fn), len(weights)
     options["layered"] = layer_fn is not None
     options["active"] = layout.active
+    options["platform"] = getattr(layout.mesh.devices.flat[0], "platform", None) if hasattr(layout.mesh, "devices") \
+        else None
 
     def body(*args):
         versions = [dict(zip(("first", "stages", "last"), layout.local(args[3 * i:3 * i + 3]))) for i in range(k)]
@@ -187,9 +190,9 @@ class _Ticks:
     (stages `[1, v, ...]` on this rank), oldest first; one for a flushing schedule."""
 
     def __init__(self, fns, manual, versions, inputs, *, remat=False, forward_only=False, stage_aux=False,
-                 batch=(), layered=False, split_w=False, active=None, vocab_parallel=False):
+                 batch=(), layered=False, split_w=False, active=None, vocab_parallel=False, platform=None):
         self.first_fn, layer_fn, self.last_fn = fns
-        self.vocab_parallel = vocab_parallel
+        self.vocab_parallel, self.platform = vocab_parallel, platform
         self.active = active  # bool [p, v, Lc] numpy: an uneven layout's real layer slots (`active_layers`)
         self.manual, self.forward_only = manual, forward_only
         # Every weight varies over every manual axis, so that no vjp transpose inserts a psum.
@@ -301,13 +304,19 @@ class _Ticks:
         reads it (its LOCAL inbox entry). Outside the switch: every rank takes the same branch."""
         rank = jax.lax.axis_index("pipe")
         _, _, last = self.versions[-1]
-        h = jax.lax.psum(jnp.where(rank == last_rank, msg, jnp.zeros((), msg.dtype)), "pipe")
+        # Both sums over `pipe` (the broadcast, and its transpose: the cotangent) run in `reduction_dtype`
+        # (fp32 for bf16 on XLA:CPU, whose bf16 all-reduce aborts the compile; the input dtype elsewhere).
+        wide = reduction_dtype(msg.dtype, self.platform)
+        h = jax.lax.psum(jnp.where(rank == last_rank, msg, jnp.zeros((), msg.dtype)).astype(wide), "pipe")
         mb = _index(self.inputs, mb_index)
         on_last = rank == last_rank  # the loss counts once, summed over `pipe` by the reduction
+
+        def head(lp, h):  # h made varying over `pipe` before the cast, so that its transpose sums in `wide`
+            return self.last_fn(lp, cast(h, ("pipe",)).astype(msg.dtype), mb)
         if self.forward_only:
-            l = self.last_fn(last, h, mb).astype(jnp.float32)
+            l = head(last, h).astype(jnp.float32)
             return inbox, loss + cast(jnp.where(on_last, l, 0.0), self.loss_axes), grads
-        l, pb = jax.vjp(lambda lp, h: self.last_fn(lp, h, mb), last, h)
+        l, pb = jax.vjp(head, last, h)
         # The loss is the same on every rank; typed varying over `pipe` (the inputs are), a cotangent of 1 on
         # each rank would count it p times, so it is seeded on one rank.
         seed = cast(jnp.where(on_last, 1.0, 0.0).astype(l.dtype), tuple(vma(l))) if "pipe" in vma(l) else \
