@@ -134,7 +134,8 @@ def bench_pipeline(steps, schedules):
 
 def bench_balance():
     """Llama 3 8B (128,256 vocabulary) at pipe 4 and 8: per-rank parameters and counted FLOPs, and the
-    simulator's step time at per-stage costs from those FLOPs, for even and `auto` layouts (no compile)."""
+    simulator's step time at per-stage costs from those FLOPs, for even and `auto` layouts, without and with
+    the vocabulary-parallel head (no compile; async: n/a with it, a pass every rank runs in one tick)."""
     import numpy as np
 
     from parallax.defaults import config_from_args
@@ -142,25 +143,29 @@ def bench_balance():
     from parallax.pipeline.simulate import flop_costs, simulate
     from parallax.plan import make_plan
 
-    print("\n| pipe | m | schedule | layout | layers per stage | params max/min | FLOPs max/min | lockstep time "
-          "/ ideal | async time / ideal |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| pipe | m | schedule | vocab_parallel | layout | layers per stage | params max/min | FLOPs max/min | "
+          "lockstep time / ideal | async time / ideal |\n|---|---|---|---|---|---|---|---|---|---|")
     for p in (4, 8):
-        for schedule in ("1f1b", "zb_h1", "zbv", "v_half"):
-            for layout in ("even", "auto"):
+        for schedule, vocab, layout in [(s, vp, lay) for s in ("1f1b", "zb_h1", "zbv", "v_half")
+                                        for vp in (False, True) for lay in ("even", "auto")]:
+            if True:
                 config = config_from_args("configs/llama3_8b.py", [])
                 config.mesh.update(data=1, fsdp=8, tensor=1, pipe=p)
                 config.train.microbatches = 1
                 v = 2 if schedule in ("zbv", "v_half") else 1
-                config.pipeline.update(schedule=schedule, virtual_stages=v, microbatches=4 * p, layout=layout)
+                config.pipeline.update(schedule=schedule, virtual_stages=v, microbatches=4 * p, layout=layout,
+                                       vocab_parallel=vocab)
                 plan = make_plan(config, 8 * p, "tpu")
                 rows, flops = rank_balance(plan), part_flops(plan)
-                costs = flop_costs(plan.schedule, 32, flops["layer"], flops["embed"], flops["loss"])
-                ideal = sum(np.sum(c) for c in costs.values()) * plan.schedule.num_microbatches / p
-                times = [simulate(plan.schedule, costs, mode).total_time / ideal for mode in ("lockstep", "async")]
+                costs = flop_costs(plan.schedule, 32, flops["layer"], flops["embed"], flops["loss"], vocab)
+                total = sum(np.sum(costs[k]) for k in ("F", "B", "W")) + 3 * flops["loss"] * vocab
+                ideal = total * plan.schedule.num_microbatches / p
+                times = [simulate(plan.schedule, costs, mode).total_time / ideal if mode == "lockstep" or not vocab
+                         else float("nan") for mode in ("lockstep", "async")]
                 ratio = [max(r[k] for r in rows) / min(r[k] for r in rows) for k in ("params", "flops")]
                 layers = ",".join(map(str, plan.schedule.stage_layers(32)))
-                print(f"| {p} | {4 * p} | {schedule} | {layout} | {layers} | {ratio[0]:.2f} | {ratio[1]:.2f} | "
-                      f"{times[0]:.3f} | {times[1]:.3f} |", flush=True)
+                print(f"| {p} | {4 * p} | {schedule} | {'yes' if vocab else 'no'} | {layout} | {layers} | "
+                      f"{ratio[0]:.2f} | {ratio[1]:.2f} | {times[0]:.3f} | {times[1]:.3f} |", flush=True)
 
 
 def _time_interleaved(timed, steps, rounds=5):

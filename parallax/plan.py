@@ -364,7 +364,7 @@ def _auto_layout(plan):
     from parallax.pipeline.simulate import best_layout
     flops = part_flops(plan)
     layers = best_layout(plan.schedule, int(plan.config.model.num_layers), flops["layer"], flops["embed"],
-                         flops["loss"])
+                         flops["loss"], bool(plan.config.pipeline.vocab_parallel))
     return dataclasses.replace(plan, schedule=plan.schedule.with_layers(layers))
 
 

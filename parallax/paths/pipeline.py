@@ -231,7 +231,8 @@ def rank_balance(plan) -> list:
     (global stage ids), `layers` (real ones), `params` (parameters its stages read: their layers, the
     embedding on stage 0's rank, the head on the last stage's; whole, before FSDP / tensor splits) and
     `flops` (matmul FLOPs of a training step over the global batch: forward + backward = 3 x the counted
-    forward of `part_flops`, no recomputation counted). What balanced layouts are judged by (docs/pipeline.md)."""
+    forward of `part_flops`, no recomputation counted). With `pipeline.vocab_parallel` the head and loss are
+    split evenly over the ranks. What balanced layouts are judged by (docs/pipeline.md)."""
     import math
     schedule, t = plan.schedule, _Tracing.make(plan)
     flops, n = part_flops(plan), int(plan.config.model.num_layers)
@@ -243,11 +244,12 @@ def rank_balance(plan) -> list:
     first = size(_leaves_read(lambda p: t.model(p).embed(t.mb, DENSE), t.rest))
     last = size(_leaves_read(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest))
     sequences = 3 * int(plan.config.train.global_batch_size)
-    rows = []
+    rows, spread = [], bool(plan.config.pipeline.vocab_parallel)
     for r in range(schedule.num_ranks):
         stages = sorted(int(s) for s in schedule.stage_of[r])
         layers = sum(counts[s] for s in stages)
-        has_first, has_last = 0 in stages, schedule.num_stages - 1 in stages
+        has_first = 0 in stages
+        has_last = 1 / schedule.num_ranks if spread else schedule.num_stages - 1 in stages
         rows.append({"rank": r, "stages": stages, "layers": layers,
                      "params": layers * per_layer + first * has_first + last * has_last,
                      "flops": sequences * (layers * flops["layer"] + flops["embed"] * has_first

@@ -50,6 +50,7 @@ def parse_costs(text: str) -> dict:
 def _cost_table(schedule: Schedule, costs) -> np.ndarray:
     """float [ticks, ranks]: each action's cost; a kind's cost is one number, or one per global stage."""
     c = dict(DEFAULT_COSTS, **(costs or {}))
+    c.pop("head_pass", None)
     c.setdefault("BW", np.add(c["B"], c["W"]))
     stages = schedule.num_stages
     by_kind = np.stack([np.zeros(stages)] + [np.broadcast_to(np.asarray(c[k], float), (stages,))
@@ -59,19 +60,27 @@ def _cost_table(schedule: Schedule, costs) -> np.ndarray:
     return by_kind[kinds, stage]
 
 
-def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0) -> dict:
+def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0,
+               vocab_parallel: bool = False) -> dict:
     """Per-stage action costs from counted forward FLOPs (`parallax.paths.pipeline.part_flops`), as the
     executor runs the actions: F = the stage's layers (+ the embedding on stage 0; on the last stage the
     head and loss forward *and* backward, which its F runs to start the backward: 3 x `loss`), B = W = the
-    layers' forward FLOPs each (input and weight gradients: one matmul each per forward matmul)."""
+    layers' forward FLOPs each (input and weight gradients: one matmul each per forward matmul). With
+    `vocab_parallel` the head's 3 x `loss` is split over the ranks and runs on all of them in the tick of
+    the last stage's F (`head_pass`: every rank busy for 3 x loss / p in that tick)."""
     n = np.asarray(schedule.stage_layers(num_layers), float)
     f = n * layer
     f[0] += embed
-    f[-1] += 3 * loss
-    return {"F": f, "B": n * layer, "W": n * layer}
+    costs = {"F": f, "B": n * layer, "W": n * layer}
+    if vocab_parallel:
+        costs["head_pass"] = 3 * loss / schedule.num_ranks
+    else:
+        f[-1] += 3 * loss
+    return costs
 
 
-def best_layout(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0) -> tuple:
+def best_layout(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0,
+                vocab_parallel: bool = False) -> tuple:
     """Layers per stage for `schedule` that make its lockstep step time (what the executor pays) shortest at
     the per-stage costs of `flop_costs`: from the best of the even layout (when it exists) and the FLOP-
     balanced one (`balanced_layers`), move one layer between two stages while that shortens the step.
@@ -81,8 +90,8 @@ def best_layout(schedule: Schedule, num_layers: int, layer: float, embed: float 
 
     def time(layers):
         s = schedule.with_layers(layers)
-        return simulate(s, flop_costs(s, num_layers, layer, embed, loss)).total_time
-    starts = [balanced_layers(num_layers, stages, layer, embed, loss)]
+        return simulate(s, flop_costs(s, num_layers, layer, embed, loss, vocab_parallel)).total_time
+    starts = [balanced_layers(num_layers, stages, layer, embed, 0.0 if vocab_parallel else loss)]
     if num_layers % stages == 0:
         starts.append((num_layers // stages,) * stages)
     best = min(starts, key=time)
@@ -115,8 +124,13 @@ def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockste
     cost = _cost_table(schedule, costs)
     ticks, p = cost.shape
     start = np.full((ticks, p), np.nan)
+    head_pass = float((costs or {}).get("head_pass", 0.0))
+    if head_pass and mode != "lockstep":
+        raise ValueError("costs['head_pass'] (a pass every rank runs in one tick) is priced in lockstep mode only")
     if mode == "lockstep":
-        tick_time = cost.max(axis=1, initial=0.0)
+        last = (table[..., 0] == F) & (stage_of[np.arange(p)[None, :], np.maximum(table[..., 2], 0)]
+                                       == schedule.num_stages - 1)
+        tick_time = cost.max(axis=1, initial=0.0) + head_pass * last.any(axis=1)
         tick_start = np.concatenate([[0.0], np.cumsum(tick_time)])
         busy = table[..., 0] != IDLE
         start[busy] = np.broadcast_to(tick_start[:-1, None], (ticks, p))[busy]
@@ -139,7 +153,7 @@ def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockste
                 start[t, r] = max([free[r]] + [finish[k] for k in inputs if k in finish])
                 free[r] = finish[kind, mb, s] = start[t, r] + cost[t, r]
         total = float(free.max(initial=0.0))
-    busy_time = float(cost.sum())
+    busy_time = float(cost.sum()) + (head_pass * p * float(last.any(axis=1).sum()) if head_pass else 0.0)
     slots = live_slots(schedule)
     return SimResult(mode, total, busy_time, 1.0 - busy_time / (p * total) if total else 0.0, slots,
                      int(slots.max(initial=0)), ticks, start, cost)
