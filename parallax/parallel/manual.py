@@ -210,6 +210,9 @@ class Parallelism:
         combined with one reduce-scatter along the sequence (`vocab.vocab_parallel_embed`). Otherwise rows
         are taken from the fp32 table and cast, so the table's gradient is accumulated in fp32."""
         table = self.weight(table_param)
+        if self.vocab_axes:  # pipeline.vocab_parallel: this rank's share; the executor sums it over `pipe`
+            return vocab.vocab_parallel_embed_partial(table.astype(dtype), tokens, axis_name=self.vocab_axes,
+                                                      platform=self.platform)
         if self.tensor > 1:
             return vocab.vocab_parallel_embed(table.astype(dtype), tokens, platform=self.platform)  # (B, T/(s*t), D)
         looked_up = _lookup_by_embed_shards(table, tuple(table_param.get_metadata()["logical"]), tokens, dtype)

@@ -43,6 +43,24 @@ def vocab_parallel_embed(table_local, tokens, *, axis_name: str = "tensor", scat
     return jax.lax.psum_scatter(rows, axis_name, scatter_dimension=scatter_axis, tiled=True).astype(dtype)
 
 
+def vocab_parallel_embed_partial(table_local, tokens, *, axis_name, platform: str | None = None):
+    """This rank's share of an embedding whose vocabulary is split over `axis_name` (a tuple, e.g.
+    ('pipe', 'tensor'): rank pipe * t + tensor owns the next V / (p t) ids): its rows, zeros for the tokens
+    it does not own, reduce-scattered over `tensor` along the sequence when `tensor` is among the axes; the
+    sum over the other axes (`pipe`) is left to the caller (the pipeline executor's embedding pass).
+    table_local [V/(p t), D] (the dtype the rows take); tokens [B, T] -> [B, T/t, D]."""
+    v_local = table_local.shape[0]
+    local_ids = tokens - _vocab_range(v_local, axis_name)  # (B, T)
+    mine = (local_ids >= 0) & (local_ids < v_local)  # (B, T)
+    rows = jnp.take(table_local, jnp.where(mine, local_ids, 0), axis=0)  # (B, T, D)
+    rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
+    if "tensor" not in axis_name:
+        return rows
+    dtype = rows.dtype
+    rows = jax.lax.psum_scatter(rows.astype(reduction_dtype(dtype, platform)), "tensor", scatter_dimension=1, tiled=True)
+    return rows.astype(dtype)  # (B, T/t, D)
+
+
 def cross_entropy_sum(logits, targets, weights):
     """The dense reference: sum over tokens of weights * -log softmax(logits)[target].
 

@@ -73,13 +73,20 @@ class PipelinePath(StepPath):
                 raise ConfigError(f"config.pipeline.vocab_parallel=True: the model's head shares parameters with "
                                   f"its embedding ({', '.join(sorted(self.first_keys & self.last_keys))}); it "
                                   f"needs an untied head; set pipeline.vocab_parallel=False")
-            last_specs = jax.tree.map(_vocab_over_pipe, rest_specs, rest_logical, is_leaf=lambda x: isinstance(x, P))
-            self.routed = {k: v for k, v in self.routed.items() if v != "last"}  # every rank reads the targets
+            tables = [k for k in self.first_keys if _leaf_names(rest_logical, k)[:1] == ("vocab",)]
+            if sorted(tables) != sorted(self.first_keys):
+                raise ConfigError(f"config.pipeline.vocab_parallel=True: the model's embedding reads "
+                                  f"{', '.join(sorted(self.first_keys))}; splitting it over the pipe ranks needs "
+                                  f"an embedding that is one lookup table (first logical name 'vocab'); set "
+                                  f"pipeline.vocab_parallel=False")
+            # The embedding and the head split along the vocabulary over pipe (x tensor), pipe-major.
+            rest_specs = jax.tree.map(_vocab_over_pipe, rest_specs, rest_logical, is_leaf=lambda x: isinstance(x, P))
+            self.routed = {}  # every rank reads the tokens and the targets
         # Stage weights: the dims after the executor's [p, v], i.e. [Lc, ...] with the layers dim whole.
         self.param_specs = {
             "first": _subtree(rest_specs, self.first_keys),
             "stages": jax.tree.map(lambda s: P(None, *s[1:]), self.stage_par.param_specs(plan.logical["blocks"])),
-            "last": _subtree(last_specs if self.vocab_parallel else rest_specs, self.last_keys)}
+            "last": _subtree(rest_specs, self.last_keys)}
         self.input_spec = P("seq") if self.outer_par.seq > 1 else P()
 
     # --- the batch ------------------------------------------------------------------------------------
@@ -136,8 +143,12 @@ class PipelinePath(StepPath):
             rest_params = jax.tree.map(lambda a, x: a if x is None else x, unread, rest_params)
             return nnx.merge(plan.graphdef, {**rest_params, "blocks": t.blocks})
 
-        def first_fn(rest_params, mb):
-            return model(rest_params).embed(mb, par)
+        head_par = par
+        if self.vocab_parallel:  # the vocabulary over (pipe, tensor): rank pipe * t + tensor
+            head_par = dataclasses.replace(par, vocab_axes=("pipe", "tensor") if par.tensor > 1 else ("pipe",))
+
+        def first_fn(rest_params, mb):  # with vocab_parallel: this rank's share (`Parallelism.embed`)
+            return model(rest_params).embed(mb, head_par)
 
         def layer_fn(layer, x, mb):  # the executor runs a stage's layers, one vjp per layer (split backward)
             x, aux = model_lib.apply_layer_aux(t.graphdef, layer, x, mb, plan.remat, stage_par)
@@ -148,10 +159,6 @@ class PipelinePath(StepPath):
             if stage_par.tensor > 1:
                 aux = jax.tree.map(lambda a: jax.lax.pmean(a, "tensor"), aux)
             return x, (model_lib.aux_loss(aux), aux)
-
-        head_par = par
-        if self.vocab_parallel:  # the head's vocabulary over (pipe, tensor): rank pipe * t + tensor
-            head_par = dataclasses.replace(par, vocab_axes=("pipe", "tensor") if par.tensor > 1 else ("pipe",))
 
         def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
             return model(rest_params).loss(x, mb, head_par)
@@ -201,6 +208,12 @@ class PipelinePath(StepPath):
         return out[0], self.unstage(params, out[1], schedule, replicas), aux
 
 
+def _leaf_names(logical, path: str) -> tuple:
+    """The logical names of the leaf at flat `path` (as `_paths` spells it) of a tree of logical names."""
+    flat = jax.tree_util.tree_flatten_with_path(logical, is_leaf=sharding.is_logical_names)[0]
+    return next(tuple(names) for p, names in flat if jax.tree_util.keystr(p) == path)
+
+
 def _vocab_over_pipe(spec: P, names) -> P:
     """A `last` weight's spec with its vocabulary dim split over `pipe` as well, pipe-major (vocab_parallel)."""
     if not names or "vocab" not in names:
@@ -231,8 +244,8 @@ def rank_balance(plan) -> list:
     (global stage ids), `layers` (real ones), `params` (parameters its stages read: their layers, the
     embedding on stage 0's rank, the head on the last stage's; whole, before FSDP / tensor splits) and
     `flops` (matmul FLOPs of a training step over the global batch: forward + backward = 3 x the counted
-    forward of `part_flops`, no recomputation counted). With `pipeline.vocab_parallel` the head and loss are
-    split evenly over the ranks. What balanced layouts are judged by (docs/pipeline.md)."""
+    forward of `part_flops`, no recomputation counted). With `pipeline.vocab_parallel` the embedding, the
+    head and the loss are split evenly over the ranks. What balanced layouts are judged by (docs/pipeline.md)."""
     import math
     schedule, t = plan.schedule, _Tracing.make(plan)
     flops, n = part_flops(plan), int(plan.config.model.num_layers)
@@ -248,7 +261,7 @@ def rank_balance(plan) -> list:
     for r in range(schedule.num_ranks):
         stages = sorted(int(s) for s in schedule.stage_of[r])
         layers = sum(counts[s] for s in stages)
-        has_first = 0 in stages
+        has_first = 1 / schedule.num_ranks if spread else 0 in stages
         has_last = 1 / schedule.num_ranks if spread else schedule.num_stages - 1 in stages
         rows.append({"rank": r, "stages": stages, "layers": layers,
                      "params": layers * per_layer + first * has_first + last * has_last,

@@ -57,6 +57,9 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
       tick of each microbatch's last-stage forward (`_Ticks.head_pass`): the last stage's output is
       broadcast over `pipe`, last_fn may use collectives over `pipe` and returns the same loss on every
       rank, and the input cotangent (summed over `pipe` by the transpose) goes to the last stage's B.
+      Likewise first_fn runs on every rank on its `first` shard and returns that rank's share of the
+      embedding, summed over `pipe` before the tick of stage 0's forward (`_Ticks.embed_pass`); stage 0's
+      input cotangent is broadcast after its backward and each rank takes its shard's gradient.
 
     Returns (loss, grads[, stats]): grads in the structure and layout of `params`, fp32, equal to
     `jax.value_and_grad` of the unpipelined model; stats leaves `[p, v, ...]`. Every weight is cast to
@@ -257,7 +260,10 @@ class _Ticks:
         def fwd(w, slots, cots, inbox, ins, first=False):
             first_p, stages, _ = w
             mb = _index(self.inputs, ins[Field.MB])
-            x = self.first_fn(first_p, mb) if first else inbox[ins[Field.IN]]
+            if first:  # with vocab_parallel, the embedding pass's sum, computed before the switch (`tick`)
+                x = self.embedded if self.vocab_parallel else self.first_fn(first_p, mb)
+            else:
+                x = inbox[ins[Field.IN]]
             y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), x, mb, self.active_of(ins))
             return self.out(msg=y, res=res, loss=term, stats=stats or None)
 
@@ -282,6 +288,8 @@ class _Ticks:
             stored = tuple(c[ins[Field.SLOT]] for c in cots) if stage.split_w and not need_dx else None
             dx, dw, keep = stage.backward(_index(stages, ins[Field.CHUNK]), ins[Field.SLOT], mb, slots,
                                           inbox[ins[Field.IN]], stored, need_dx, need_dw, self.active_of(ins))
+            if need_dx and first and self.vocab_parallel:  # the embedding's backward runs after the switch
+                return self.out(msg=dx, dw=dw, cots=keep)
             if need_dx and first:
                 return self.out(dw=dw, cots=keep,
                                 dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), first_p)[1](dx)[0])
@@ -327,6 +335,27 @@ class _Ticks:
         gl = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), gl, dlast)
         return inbox, loss + cast(jnp.where(on_last, l.astype(jnp.float32), 0.0), self.loss_axes), (gw, gf, gl)
 
+    def embed_pass(self, mb_index):
+        """The vocabulary-parallel embedding of microbatch `mb_index` (`vocab_parallel`), before the tick of
+        its stage-0 forward: every rank's share (first_fn on its `first` shard), summed over `pipe` in
+        `reduction_dtype`. Outside the switch: every rank takes the same branch."""
+        first, _, _ = self.versions[-1]
+        part = self.first_fn(first, _index(self.inputs, mb_index))
+        wide = reduction_dtype(part.dtype, self.platform)
+        return cast(jax.lax.psum(part.astype(wide), "pipe").astype(self.x0.dtype), tuple(vma(self.x0)))
+
+    def embed_grad(self, mb_index, first_rank, msg, grads):
+        """After the tick of stage 0's backward of microbatch `mb_index`: its input cotangent (`msg` on
+        `first_rank`) broadcast over `pipe`, and each rank's `first` shard's gradient accumulated."""
+        rank = jax.lax.axis_index("pipe")
+        first, _, _ = self.versions[-1]
+        wide = reduction_dtype(msg.dtype, self.platform)
+        dx = jax.lax.psum(jnp.where(rank == first_rank, msg, jnp.zeros((), msg.dtype)).astype(wide), "pipe")
+        part, pb = jax.vjp(lambda fp: self.first_fn(fp, _index(self.inputs, mb_index)), first)
+        dfirst = pb(cast(dx.astype(part.dtype), tuple(vma(part))))[0]
+        gw, gf, gl = grads
+        return gw, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), gf, dfirst), gl
+
     def tick(self, prog: Program):
         """One scan step: every rank switches on its own instruction, then the messages move.
 
@@ -342,12 +371,17 @@ class _Ticks:
         up_patterns, down_patterns = prog.send_patterns("up")[1], prog.send_patterns("down")[1]
         versions, v = len(self.versions), self.num_chunks
 
-        last_rank = int(np.argwhere(self.ops(prog) == Op.F_LAST)[0][1]) if self.vocab_parallel else -1
+        ops = self.ops(prog)
+        last_rank = int(np.argwhere(ops == Op.F_LAST)[0][1]) if self.vocab_parallel else -1
+        first_rank = int(np.argwhere(ops == Op.F_FIRST)[0][1]) if self.vocab_parallel else -1
 
         def step(carry, xs):  # code_t: [p, fields]; send_t: this tick's send pattern up and down (0: none);
-            code_t, send_t, head_t = xs  # head_t: the microbatch of this tick's last-stage forward, or -1
+            # head_t / embed_t / dembed_t: the microbatch of this tick's last-stage forward, stage-0 forward,
+            code_t, send_t, head_t, embed_t, dembed_t = xs  # stage-0 backward (-1: none)
             slots, cots, inbox, grads, loss, stats = carry
             ins = code_t[rank]
+            if self.vocab_parallel:  # read by stage 0's forward branch (`branches`): a value of this trace
+                self.embedded = jax.lax.cond(embed_t >= 0, self.embed_pass, lambda _: zeros(self.x0), embed_t)
             version = ins[Field.VERSION]
             branch = ins[Field.BRANCH] + len(prog.branches) * version
             msg, res, cot, dgrads, dloss, dstats = jax.lax.switch(branch, branches, slots, cots, inbox, ins)
@@ -370,6 +404,9 @@ class _Ticks:
                 def head(inbox, loss, grads):
                     return self.head_pass(head_t, last_rank, msg, inbox, ins, loss, grads)
                 inbox, loss, grads = jax.lax.cond(head_t >= 0, head, lambda *a: a, inbox, loss, grads)
+                if grads:
+                    grads = jax.lax.cond(dembed_t >= 0, lambda g: self.embed_grad(dembed_t, first_rank, msg, g),
+                                         lambda g: g, grads)
             if up_patterns:
                 inbox = _write(inbox, ins[Field.FROM_UP], _send(send_t[0], msg, up_patterns))
             if down_patterns:
@@ -382,10 +419,10 @@ class _Ticks:
         """int [ticks, p]: the `Op` of each rank's instruction."""
         return np.asarray(prog.branches)[prog.code[..., Field.BRANCH]]
 
-    def head_ticks(self, prog: Program) -> np.ndarray:
-        """int [ticks]: the microbatch whose last-stage forward runs at each tick, or -1."""
-        last = self.ops(prog) == Op.F_LAST  # [ticks, p]
-        return np.where(last.any(axis=1), (prog.code[..., Field.MB] * last).sum(axis=1), -1)
+    def op_ticks(self, prog: Program, ops) -> np.ndarray:
+        """int [ticks]: the microbatch of the instruction of kind in `ops` at each tick (one rank's), or -1."""
+        hit = np.isin(self.ops(prog), ops)  # [ticks, p]
+        return np.where(hit.any(axis=1), (prog.code[..., Field.MB] * hit).sum(axis=1), -1)
 
     def run(self, prog: Program, inflight=None):
         """Runs every tick of `prog`; returns this rank's (loss, (dW, d first, d last), stats per chunk
@@ -414,5 +451,7 @@ class _Ticks:
         carry = (slots, cots, inbox, grads, zeros(jax.ShapeDtypeStruct(lead, f32), axes=self.loss_axes), stats)
         sends = np.stack([prog.send_patterns("up")[0], prog.send_patterns("down")[0]], axis=1)
         (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(
-            self.tick(prog), carry, (jnp.asarray(prog.code), jnp.asarray(sends), jnp.asarray(self.head_ticks(prog))))
+            self.tick(prog), carry, (jnp.asarray(prog.code), jnp.asarray(sends),
+                                     *(jnp.asarray(self.op_ticks(prog, ops)) for ops in
+                                       ((Op.F_LAST,), (Op.F_FIRST,), (Op.B_FIRST, Op.BW_FIRST)))))
         return loss, grads, stats, (slots, inbox)
