@@ -116,6 +116,9 @@ def _make_plan(config, num_devices, platform):
     _check_params(config, sizes, rules, abstract_params, logical)
     _check_explicit_rules(sizes if "expert" in cls.parallel_axes else {**sizes, "expert": 1}, rules, logical)
     _check_muon_exclude(config, rules)
+    if sizes["pipe"] > 1 and config.pipeline.vocab_parallel and "pipe" not in sharding.spec_axes(rules["vocab"]):
+        # stored as the executor reads it: the embedding and head split over pipe (x tensor), pipe-major
+        rules = {**rules, "vocab": ("pipe", *sharding.spec_axes(rules["vocab"]))}
     kernels = dict(attention_block=int(config.model.attention_block), loss_chunk=int(config.model.loss_chunk),
                    platform=platform, attention_impl=_attention_impl(config, sizes, platform))
     par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding

@@ -78,6 +78,7 @@ VOCAB_CASES = [("1f1b", dict(pipe=2, data=4)), ("zbv", dict(pipe=4, data=2)), ("
 def test_vocab_parallel_head_matches_single_device(reference, schedule, mesh):
     config = _config(schedule, **mesh)
     config.pipeline.vocab_parallel = True
+    assert make_plan(config, 8).rules["vocab"][0] == "pipe"  # stored as the executor reads it
     assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference, TOL)
 
 
