@@ -90,7 +90,7 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         virtual_stages=1,  # stages (chunks) per pipeline rank (interleaved_1f1b; zbv, v_half, v_min take 2)
         remat=False,  # store only each chunk's input and recompute its forward in the backward
         layout="even",  # layers per stage: even | auto (the shortest simulated step at counted FLOPs) | "3,5"
-        vocab_parallel=False,  # the head and loss split over the pipe ranks along the vocabulary (untied head)
+        vocab_parallel=False,  # embedding, head and loss split over the pipe ranks along the vocabulary (untied head)
     ))
     # DiLoCo (parallax/paths/diloco.py): with mesh.replica > 1, each replica trains alone for sync_every
     # steps, then the replicas' mean parameter change moves the global parameters by the outer optimizer.
