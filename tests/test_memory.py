@@ -4,6 +4,7 @@ TPU topology."""
 
 import importlib.util
 import os
+import re
 
 import jax
 import pytest
@@ -60,6 +61,21 @@ def test_plan_compiles_for_a_tpu_topology_and_checks_the_mesh_against_its_device
     mismatched = _plan(*args, "--config.mesh.data=8")
     assert mismatched.returncode == 2
     assert "(4 devices)" in mismatched.stderr and "has 8 devices" in mismatched.stderr
+
+
+def test_pipelined_plan_compiles_for_a_tpu_topology_with_the_attention_kernel():
+    """A pipelined step (zbv, an uneven layout, the vocabulary layers over the pipe ranks) compiled by XLA:TPU
+    calls splash attention inside the executor's stages (the executor's region is manual over every mesh
+    axis: a Mosaic kernel cannot sit in an automatically partitioned one), and plan.py prints each pipe
+    rank's balance."""
+    pytest.importorskip("libtpu")
+    run = _plan(f"--config={ROOT}/configs/tiny.py", "--topology=v5p:2x2x1", "--config.mesh.data=2",
+                "--config.mesh.pipe=2", "--config.pipeline.schedule=zbv", "--config.pipeline.virtual_stages=2",
+                "--config.model.num_layers=3", "--config.pipeline.layout=auto", "--config.pipeline.vocab_parallel=true",
+                "--config.model.attention_impl=splash", "--config.train.seq_len=128", "--config.model.attention_block=128")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert re.search(r"kernels: [1-9]\d* tpu_custom_call", run.stdout), run.stdout[-2000:]
+    assert "| 1 | 1,2 | 2 |" in run.stdout  # rank 1's stages hold 2 of the 3 layers
 
 
 @pytest.mark.parametrize("model", ["llama", "moe"])

@@ -27,7 +27,7 @@ def reference():
     return loss_grads_and_steps(_config(), jax.devices()[:1], steps=5)
 
 
-CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv") for p in (2, 4)] + [("v_half", 4), ("v_min", 4)]
+CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "v_half", "v_min") for p in (2, 4)]
 
 
 @pytest.mark.slow
@@ -80,6 +80,11 @@ def test_vocab_parallel_head_matches_single_device(reference, schedule, mesh):
     config.pipeline.vocab_parallel = True
     assert make_plan(config, 8).rules["vocab"][0] == "pipe"  # stored as the executor reads it
     assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference, TOL)
+
+
+def test_v_min_trains_in_bf16_evaluates_and_resumes(tmp_path):
+    from helpers import bf16_train_eval_resume
+    bf16_train_eval_resume(_config("v_min", pipe=2, data=4), tmp_path)
 
 
 @pytest.fixture(scope="module")

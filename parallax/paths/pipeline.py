@@ -277,7 +277,7 @@ def balance_table(rows, peak=None) -> str:
         values = [r[key] for r in rows]
         return max(values) / max(min(values), 1)
     lines = ["| pipe rank | stages | layers | parameters used | training FLOPs (matmul) |", "|---|---|---|---|---|"]
-    lines += [f"| {r['rank']} | {','.join(map(str, r['stages']))} | {r['layers']} | {r['params'] / 1e6:,.1f} M | "
+    lines += [f"| {r['rank']} | {','.join(map(str, r['stages']))} | {r['layers']} | {r['params'] / 1e6:,.2f} M | "
               f"{r['flops']:.3e} |" for r in rows]
     lines.append(f"| max / min | | | {ratio('params'):.2f} | {ratio('flops'):.2f} |")
     if peak is not None:

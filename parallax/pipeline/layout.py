@@ -250,7 +250,10 @@ class Layout:
         in_specs = self.param_in_specs() * len(weights) + (self.batch_spec, *extra_specs)
         args = tuple(w[k] for w in weights for k in ("first", "stages", "last")) + (inputs, *extra)
         args = tuple(a if a is None else place(a, self.mesh, s) for a, s in zip(args, in_specs))
-        run = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, axis_names=set(self.manual),
+        # Manual over the mesh's axes of size 1 too: nothing is split over them, and a region with no auto axis
+        # is one a hand-written kernel (a Mosaic custom call: splash attention) can be lowered in.
+        ones = {a for a in self.mesh.axis_names if self.mesh.shape[a] == 1}
+        run = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, axis_names=set(self.manual) | ones,
                             out_specs=out_specs)
         return run(*args)
 
