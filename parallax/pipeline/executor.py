@@ -303,7 +303,7 @@ class _Ticks:
                  Op.BW_FIRST: functools.partial(bwd, need_dx=True, need_dw=True, first=True)}
         return [functools.partial(impls[b], w) for w in self.versions for b in prog.branches]
 
-    def head_pass(self, mb_index, last_rank, msg, inbox, ins, loss, grads):
+    def head_pass(self, mb_index, last_rank, msg, inbox, ins, loss, glast):
         """The vocabulary-parallel head (`vocab_parallel`) of microbatch `mb_index` on every pipe rank, in the
         tick of its last-stage forward: the last stage's output `msg` broadcast from `last_rank` (a psum of
         zeros elsewhere), last_fn on this rank's `last` shard (its collectives over `pipe` give every rank the
@@ -323,7 +323,7 @@ class _Ticks:
             return self.last_fn(lp, cast(h, ("pipe",)).astype(msg.dtype), mb)
         if self.forward_only:
             l = head(last, h).astype(jnp.float32)
-            return inbox, loss + cast(jnp.where(on_last, l, 0.0), self.loss_axes), grads
+            return inbox, loss + cast(jnp.where(on_last, l, 0.0), self.loss_axes), glast
         l, pb = jax.vjp(head, last, h)
         # The loss is the same on every rank; typed varying over `pipe` (the inputs are), a cotangent of 1 on
         # each rank would count it p times, so it is seeded on one rank.
@@ -331,9 +331,8 @@ class _Ticks:
             jnp.ones_like(l)
         dlast, dh = pb(seed)
         inbox = _write(inbox, jnp.where(on_last, ins[Field.LOCAL], -1), dh.astype(inbox.dtype))
-        gw, gf, gl = grads
-        gl = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), gl, dlast)
-        return inbox, loss + cast(jnp.where(on_last, l.astype(jnp.float32), 0.0), self.loss_axes), (gw, gf, gl)
+        glast = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), glast, dlast)
+        return inbox, loss + cast(jnp.where(on_last, l.astype(jnp.float32), 0.0), self.loss_axes), glast
 
     def embed_pass(self, mb_index):
         """The vocabulary-parallel embedding of microbatch `mb_index` (`vocab_parallel`), before the tick of
@@ -344,7 +343,7 @@ class _Ticks:
         wide = reduction_dtype(part.dtype, self.platform)
         return cast(jax.lax.psum(part.astype(wide), "pipe").astype(self.x0.dtype), tuple(vma(self.x0)))
 
-    def embed_grad(self, mb_index, first_rank, msg, grads):
+    def embed_grad(self, mb_index, first_rank, msg, gfirst):
         """After the tick of stage 0's backward of microbatch `mb_index`: its input cotangent (`msg` on
         `first_rank`) broadcast over `pipe`, and each rank's `first` shard's gradient accumulated."""
         rank = jax.lax.axis_index("pipe")
@@ -353,8 +352,7 @@ class _Ticks:
         dx = jax.lax.psum(jnp.where(rank == first_rank, msg, jnp.zeros((), msg.dtype)).astype(wide), "pipe")
         part, pb = jax.vjp(lambda fp: self.first_fn(fp, _index(self.inputs, mb_index)), first)
         dfirst = pb(cast(dx.astype(part.dtype), tuple(vma(part))))[0]
-        gw, gf, gl = grads
-        return gw, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), gf, dfirst), gl
+        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), gfirst, dfirst)
 
     def tick(self, prog: Program):
         """One scan step: every rank switches on its own instruction, then the messages move.
@@ -401,12 +399,16 @@ class _Ticks:
                 grads = (gw, gf, gl)
             inbox = _write(inbox, ins[Field.LOCAL], msg)
             if self.vocab_parallel:  # xs carries the microbatch of this tick's last-stage forward (-1: none)
-                def head(inbox, loss, grads):
-                    return self.head_pass(head_t, last_rank, msg, inbox, ins, loss, grads)
-                inbox, loss, grads = jax.lax.cond(head_t >= 0, head, lambda *a: a, inbox, loss, grads)
+                # Only the head's / embedding's accumulators pass through the conds (the stage gradients,
+                # the big ones, would be copied through a conditional).
+                def head(inbox, loss, glast):
+                    return self.head_pass(head_t, last_rank, msg, inbox, ins, loss, glast)
+                gw, gf, gl = grads if grads else ((), (), ())
+                inbox, loss, gl = jax.lax.cond(head_t >= 0, head, lambda *a: a, inbox, loss, gl)
                 if grads:
-                    grads = jax.lax.cond(dembed_t >= 0, lambda g: self.embed_grad(dembed_t, first_rank, msg, g),
-                                         lambda g: g, grads)
+                    gf = jax.lax.cond(dembed_t >= 0, lambda g: self.embed_grad(dembed_t, first_rank, msg, g),
+                                      lambda g: g, gf)
+                    grads = (gw, gf, gl)
             if up_patterns:
                 inbox = _write(inbox, ins[Field.FROM_UP], _send(send_t[0], msg, up_patterns))
             if down_patterns:
