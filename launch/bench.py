@@ -139,7 +139,8 @@ def bench_balance():
     import numpy as np
 
     from parallax.defaults import config_from_args
-    from parallax.paths.pipeline import part_flops, rank_balance
+    from parallax.paths.pipeline import rank_balance
+    from parallax.plan import part_flops
     from parallax.pipeline.simulate import flop_costs, simulate
     from parallax.plan import make_plan
 

@@ -357,13 +357,34 @@ def _spread(num_layers, num_stages) -> str:
     return ",".join(map(str, balanced_layers(num_layers, num_stages, 1.0)))
 
 
+def part_flops(plan) -> dict:
+    """Forward matmul FLOPs of one sequence (`pipeline.work.dot_flops` of the dense code's jaxpr) through
+    the embedding, one layer, and the head and loss: what `pipeline.layout='auto'` balances."""
+    from parallax.parallel.manual import DENSE
+    from parallax.pipeline.work import dot_flops
+    rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
+    blocks = plan.abstract_params["blocks"]
+    graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
+    mb = jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), abstract_batch(plan.config))  # one row
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)  # one layer
+
+    def model(p):
+        return nnx.merge(plan.graphdef, {**p, "blocks": blocks})
+    x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
+
+    def count(fn, *args):
+        return float(dot_flops(jax.make_jaxpr(fn)(*args).jaxpr))
+    return {"embed": count(lambda p: model(p).embed(mb, DENSE), rest),
+            "layer": count(lambda w, x: model_lib.apply_layer_aux(graphdef, w, x, mb, plan.remat, DENSE), one, x),
+            "loss": count(lambda p, x: model(p).loss(x, mb, DENSE), rest, x)}
+
+
 def _auto_layout(plan):
     """`plan` with `pipeline.layout='auto'` resolved: the layers per stage with the shortest simulated
     lockstep step at per-stage costs from the counted forward matmul FLOPs of a layer, the embedding
     (stage 0) and the head and loss (the last stage): `parallax.pipeline.simulate.best_layout`."""
     if plan.schedule is None or str(plan.config.pipeline.layout).strip() != "auto":
         return plan
-    from parallax.paths.pipeline import part_flops  # the model's parts, traced as the pipeline splits them
     from parallax.pipeline.simulate import best_layout
     flops = part_flops(plan)
     layers = best_layout(plan.schedule, int(plan.config.model.num_layers), flops["layer"], flops["embed"],

@@ -29,7 +29,7 @@ from parallax.parallel.manual import DENSE, MODEL_AXES
 from parallax.paths.base import StepPath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import from_pipeline_layout, to_pipeline_layout
-from parallax.plan import abstract_batch
+from parallax.plan import abstract_batch, part_flops
 
 
 class PipelinePath(StepPath):
@@ -223,20 +223,6 @@ def _vocab_over_pipe(spec: P, names) -> P:
         if name == "vocab":
             entries[i] = ("pipe", *sharding.spec_axes(entries[i]))
     return P(*entries)
-
-
-def part_flops(plan) -> dict:
-    """Forward matmul FLOPs of one sequence (`pipeline.work.dot_flops` of the dense code's jaxpr) through
-    the embedding, one layer, and the head and loss: what `pipeline.layout='auto'` balances."""
-    from parallax.pipeline.work import dot_flops
-    t = _Tracing.make(plan)
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t.blocks)
-
-    def count(fn, *args):
-        return float(dot_flops(jax.make_jaxpr(fn)(*args).jaxpr))
-    return {"embed": count(lambda p: t.model(p).embed(t.mb, DENSE), t.rest),
-            "layer": count(lambda w: model_lib.apply_layer_aux(t.graphdef, w, t.x0(), t.mb, plan.remat, DENSE), one),
-            "loss": count(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest)}
 
 
 def rank_balance(plan) -> list:
