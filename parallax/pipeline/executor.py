@@ -147,8 +147,8 @@ def _run(layout, prog, fns, weights, inputs, finish, out_specs, inflight=None, i
     fns, k = (first_fn, stage_fn or layer_fn, last_fn), len(weights)
     options["layered"] = layer_fn is not None
     options["active"] = layout.active
-    options["platform"] = getattr(layout.mesh.devices.flat[0], "platform", None) if hasattr(layout.mesh, "devices") \
-        else None
+    # The devices' platform (for `reduction_dtype`); an abstract mesh (shape checks) has none: the host's.
+    options["platform"] = layout.mesh.devices.flat[0].platform if isinstance(layout.mesh, jax.sharding.Mesh) else None
 
     def body(*args):
         versions = [dict(zip(("first", "stages", "last"), layout.local(args[3 * i:3 * i + 3]))) for i in range(k)]
