@@ -72,12 +72,12 @@ MOE_DEFAULTS = dict(
     router="softmax",  # softmax (Mixtral) | sigmoid (DeepSeek-V3)
     router_scale=1.0,  # gates are multiplied by this (DeepSeek-V3: 2.5)
     norm_topk=True,  # renormalise the k gates to sum to 1
-    dispatch="capacity",  # capacity (all-to-all, fixed slots) | ragged (dropless grouped matmul; ragged_all_to_all)
+    dispatch="capacity",  # capacity (drops past C slots; all-to-all over expert) | ragged (dropless; ragged_all_to_all)
     capacity_factor=2.0,  # slots per expert and row = ceil(factor * T * k / E); 0: T slots (drops nothing)
-    grouped_impl="auto",  # ragged dispatch's grouped matmuls: auto (megablox on TPU) | ragged_dot | megablox
-    ff_chunks=1,  # ragged dispatch: the expert width in this many slices, one live at a time (memory)
+    grouped_impl="auto",  # grouped matmuls (ragged, or expert=1): auto (megablox on TPU) | ragged_dot | megablox
+    ff_chunks=1,  # grouped matmuls: the expert width in this many slices, one live at a time (memory)
     ep_buffer=0.0,  # ragged over mesh.expert: receive buffer in balanced shares (0: worst case, dropless)
-    dispatch_chunks=1,  # capacity dispatch in this many row groups, so all-to-alls overlap expert matmuls
+    dispatch_chunks=1,  # capacity over expert > 1: this many row groups, so all-to-alls overlap expert matmuls
     balance_weight=0.01,  # Switch load-balancing loss weight
     z_weight=0.001,  # router z-loss weight
     bias_rate=0.0,  # aux-loss-free balancing: bias step per optimizer step (0: off)
@@ -278,7 +278,11 @@ class MoEBlocks(llama.Blocks):
         moe, dt, w = self.moe, self.cfg.compute_dtype, par.weight
         wg, wu, wd = w(self.we_gate, dt), w(self.we_up, dt), w(self.we_down, dt)  # (E/ep, D, F/t), (E/ep, F/t, D)
         h = h.astype(dt)
-        if moe.dispatch == "ragged" or (par.decoding and par.expert == 1):  # decoding: every token routed
+        # Grouped matmuls: dropless routing, decoding (every token routed) and, on one expert rank, capacity
+        # routing too (its kept assignments only: `ep_lib.moe_ragged`'s `cap`; dense slots only where they
+        # travel as fixed-size all-to-alls).
+        dropless = moe.dispatch == "ragged" or (par.decoding and par.expert == 1)
+        if dropless or par.expert == 1:
             impl = ep_lib.grouped_impl(moe.grouped_impl, par.platform)
             log_once(f"grouped matmuls: {impl} (moe.grouped_impl={moe.grouped_impl}), "
                      f"{moe.ff_chunks} chunk(s) of the expert width")
@@ -292,9 +296,12 @@ class MoEBlocks(llama.Blocks):
                 return ep_lib.moe_ragged_ep(h, idx, gates, moe.num_experts, grouped_with(_whole, (wg, wu, wd)),
                                             par.expert, buffer=float(moe.ep_buffer))
             names = [p.logical[1:] for p in (self.we_gate, self.we_up, self.we_down)]  # one layer's
+            cap = None if dropless else ep_lib.capacity(h.shape[1], moe.top_k, moe.num_experts,
+                                                         moe.capacity_factor)
+            cap = None if cap is not None and cap >= h.shape[1] else cap  # T slots: nothing can drop
             return _per_batch_shard(lambda gather, h, idx, gates, *ws: ep_lib.moe_ragged(
-                h, idx, gates, moe.num_experts, grouped_with(gather, ws, full=True)), h, idx, gates, (wg, wu, wd),
-                names)
+                h, idx, gates, moe.num_experts, grouped_with(gather, ws, full=cap is None), cap), h, idx, gates,
+                (wg, wu, wd), names)
 
         def experts(xe):  # (E/ep, G, C, D)
             act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, wg)) * jnp.einsum("egcd,edf->egcf", xe, wu)
@@ -351,9 +358,12 @@ class MoE(Model):
                               f"{', '.join(ep_lib.GROUPED_IMPLS)}")
         if moe.dispatch not in DISPATCH:
             raise ConfigError(f"config.model.moe.dispatch={moe.dispatch!r}: expected one of {', '.join(DISPATCH)}")
-        if moe.grouped_impl != "auto" and moe.dispatch != "ragged":
-            raise ConfigError(f"config.model.moe.grouped_impl={moe.grouped_impl!r}: applies to dispatch='ragged' "
-                              f"only (dispatch={moe.dispatch!r}); set grouped_impl=auto")
+        ep, tp = sizes["expert"], sizes["tensor"]
+        grouped = moe.dispatch == "ragged" or ep == 1  # capacity on one expert rank runs grouped matmuls too
+        where = f"(dispatch={moe.dispatch!r}, mesh.expert={ep})"
+        if moe.grouped_impl != "auto" and not grouped:
+            raise ConfigError(f"config.model.moe.grouped_impl={moe.grouped_impl!r}: applies to the grouped matmuls "
+                              f"of dispatch='ragged' or of mesh.expert=1 only {where}; set grouped_impl=auto")
         platform, devices = model_lib.target_platform(), math.prod(int(v) for v in sizes.values())
         if moe.grouped_impl == "megablox" and (platform == "gpu" or (platform != "tpu" and devices > 1)):
             raise ConfigError(f"config.model.moe.grouped_impl='megablox' on {platform} with {devices} device(s): "
@@ -363,7 +373,6 @@ class MoE(Model):
                     "first_dense", "dense_d_ff"):
             if moe[key] < 0:
                 raise ConfigError(f"config.model.moe.{key}={moe[key]}: must be >= 0")
-        ep, tp = sizes["expert"], sizes["tensor"]
         if moe.first_dense and (moe.dense_d_ff <= 0 or moe.dense_d_ff % tp):
             raise ConfigError(f"config.model.moe.dense_d_ff={moe.dense_d_ff}: first_dense={moe.first_dense} dense "
                               f"layers need a positive MLP width divisible by mesh.tensor={tp}")
@@ -380,16 +389,16 @@ class MoE(Model):
             raise ConfigError(f"config.model.moe.ep_buffer={moe.ep_buffer}: under 1 drops assignments even when "
                               f"the load is balanced; use 0 (dropless) or >= 1 (e.g. 2)")
         if moe.ff_chunks > 1:
-            if moe.dispatch != "ragged":
-                raise ConfigError(f"config.model.moe.ff_chunks={moe.ff_chunks}: applies to dispatch='ragged' only "
-                                  f"(dispatch={moe.dispatch!r}); set ff_chunks=1")
+            if not grouped:
+                raise ConfigError(f"config.model.moe.ff_chunks={moe.ff_chunks}: applies to the grouped matmuls of "
+                                  f"dispatch='ragged' or of mesh.expert=1 only {where}; set ff_chunks=1")
             if moe.d_ff_expert % (tp * moe.ff_chunks):
                 raise ConfigError(f"config.model.moe.ff_chunks={moe.ff_chunks}: d_ff_expert={moe.d_ff_expert} / "
                                   f"mesh.tensor={tp} is not divisible by it; use a divisor")
         if moe.dispatch_chunks > 1:
-            if moe.dispatch != "capacity":
+            if grouped:
                 raise ConfigError(f"config.model.moe.dispatch_chunks={moe.dispatch_chunks}: chunks apply to "
-                                  f"dispatch='capacity' only (dispatch={moe.dispatch!r}); set dispatch_chunks=1")
+                                  f"dispatch='capacity' across mesh.expert > 1 only {where}; set dispatch_chunks=1")
             batch_ranks = sizes["data"] * sizes["fsdp"] * ep
             mbs = config.pipeline.microbatches if sizes["pipe"] > 1 else config.train.microbatches
             rows = config.train.global_batch_size // max(1, mbs * batch_ranks)

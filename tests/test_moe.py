@@ -222,7 +222,7 @@ def _ragged_swiglu(wg, wu, wd):
     return grouped
 
 
-def test_dropless_paths_equal_per_expert_loop():
+def test_dropless_and_capacity_paths_equal_per_expert_loop():
     h, idx, gates, wg, wu, wd = _random_routing()
     e = wg.shape[0]
     ref = _loop_reference(h, idx, gates, wg, wu, wd)
@@ -244,6 +244,26 @@ def test_dropless_paths_equal_per_expert_loop():
     masked = _loop_reference(h, idx, np.asarray(gates) * np.asarray(keep), wg, wu, wd)
     np.testing.assert_allclose(small, masked, rtol=1e-5, atol=1e-6)
     assert not keep.all()
+    # on one expert rank capacity routing runs as grouped matmuls of the kept assignments: the same values,
+    # keep mask and load, and the same gradients (the dropped ones sorted past every group get none)
+    grouped_small, grouped_keep, grouped_load = ep_lib.moe_ragged(h, idx, gates, e, grouped, cap=2)
+    np.testing.assert_allclose(grouped_small, masked, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(grouped_keep, keep)
+    np.testing.assert_array_equal(grouped_load, ep_lib.slots(idx, e, 2)[2])
+    ct = jax.random.normal(jax.random.key(1), h.shape)
+
+    def dense_loss(h, gates, wg, wu, wd):
+        def experts(x):
+            act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", x, wg)) * jnp.einsum("egcd,edf->egcf", x, wu)
+            return jnp.einsum("egcf,efd->egcd", act, wd)
+        return jnp.sum(ct * ep_lib.moe_capacity(h, idx, gates, e, 2, experts)[0])
+
+    def grouped_loss(h, gates, wg, wu, wd):
+        return jnp.sum(ct * ep_lib.moe_ragged(h, idx, gates, e, _ragged_swiglu(wg, wu, wd), cap=2)[0])
+    want = jax.grad(dense_loss, argnums=range(5))(h, gates, wg, wu, wd)
+    got = jax.grad(grouped_loss, argnums=range(5))(h, gates, wg, wu, wd)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_ragged_all_to_all_emulation_follows_the_primitives_documented_example():
@@ -271,16 +291,16 @@ def test_ragged_dispatch_across_expert_ranks_equals_per_expert_loop_and_its_grad
                                                exchange=ep_lib.ragged_all_to_all_by_all_to_all)
         return out, load
 
-    run = jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+    run = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert")))
     out, load = run(h, idx, gates, wg, wu, wd)
     np.testing.assert_allclose(out, _loop_reference(h, idx, gates, wg, wu, wd), rtol=1e-5, atol=1e-6)
     assert int(load.sum()) == idx.size
 
     def objective(fn):
         return lambda h, g, a, b, c: jnp.sum(fn(h, idx, g, a, b, c) * ct)
-    sharded = jax.grad(objective(lambda *a: run(*a)[0]), argnums=(0, 1, 2, 3, 4))(h, gates, wg, wu, wd)
-    single = jax.grad(objective(lambda h, i, g, a, b, c: ep_lib.moe_ragged(h, i, g, e, _ragged_swiglu(a, b, c))[0]),
-                      argnums=(0, 1, 2, 3, 4))(h, gates, wg, wu, wd)
+    sharded = jax.jit(jax.grad(objective(lambda *a: run(*a)[0]), argnums=(0, 1, 2, 3, 4)))(h, gates, wg, wu, wd)
+    single = jax.jit(jax.grad(objective(lambda h, i, g, a, b, c: ep_lib.moe_ragged(
+        h, i, g, e, _ragged_swiglu(a, b, c))[0]), argnums=(0, 1, 2, 3, 4)))(h, gates, wg, wu, wd)
     for name, got, want in zip(("h", "gates", "w_gate", "w_up", "w_down"), sharded, single):
         assert np.abs(np.asarray(want)).max() > 0, name
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -325,17 +345,17 @@ def test_ragged_across_expert_ranks_with_a_bounded_buffer_drops_exactly_what_doe
         out, keep, _ = ep_lib.moe_ragged_ep(h, idx, gates, e, _ragged_swiglu(wg, wu, wd), ep, buffer=1.0,
                                             exchange=ep_lib.ragged_all_to_all_by_all_to_all)
         return out, keep
-    run = jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+    run = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert")))
     out, keep = run(h, idx, gates, wg, wu, wd)
     np.testing.assert_array_equal(np.asarray(keep), want_keep)
     kept_gates = gates * want_keep
     np.testing.assert_allclose(out, _loop_reference(h, idx, kept_gates, wg, wu, wd), rtol=1e-5, atol=1e-6)
 
     ct = jax.random.normal(jax.random.key(3), h.shape)
-    sharded = jax.grad(lambda h, a, b, c: jnp.sum(run(h, idx, gates, a, b, c)[0] * ct), argnums=(0, 1, 2, 3))(
-        h, wg, wu, wd)
-    single = jax.grad(lambda h, a, b, c: jnp.sum(ep_lib.moe_ragged(h, idx, kept_gates, e, _ragged_swiglu(a, b, c))[0]
-                                                 * ct), argnums=(0, 1, 2, 3))(h, wg, wu, wd)
+    sharded = jax.jit(jax.grad(lambda h, a, b, c: jnp.sum(run(h, idx, gates, a, b, c)[0] * ct),
+                               argnums=(0, 1, 2, 3)))(h, wg, wu, wd)
+    single = jax.jit(jax.grad(lambda h, a, b, c: jnp.sum(ep_lib.moe_ragged(h, idx, kept_gates, e, _ragged_swiglu(
+        a, b, c))[0] * ct), argnums=(0, 1, 2, 3)))(h, wg, wu, wd)
     for name, got, want in zip(("h", "w_gate", "w_up", "w_down"), sharded, single):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -512,16 +532,16 @@ def test_moe_metrics_reach_metrics_jsonl(tmp_path):
     (dict(data=8), dict(first_dense=1), "dense_d_ff=0: first_dense=1 dense layers need a positive MLP width"),
     (dict(data=8), dict(router="topk"), "router='topk': expected one of softmax, sigmoid"),
     (dict(tensor=8), dict(d_ff_expert=36), "d_ff_expert=36: not divisible by mesh.tensor=8"),
-    (dict(data=8), dict(dispatch_chunks=3), "dispatch_chunks=3: does not divide the 2 rows per rank"),
-    (dict(data=8), dict(dispatch_chunks=2, dispatch="ragged"), "chunks apply to dispatch='capacity' only"),
+    (dict(expert=2, data=4), dict(dispatch_chunks=3), "dispatch_chunks=3: does not divide the 2 rows per rank"),
+    (dict(data=8), dict(dispatch_chunks=2), "chunks apply to dispatch='capacity' across mesh.expert > 1 only"),
     (dict(data=8), dict(grouped_impl="triton"), "grouped_impl='triton': expected one of auto, ragged_dot, megablox"),
-    (dict(data=8), dict(ff_chunks=2), "ff_chunks=2: applies to dispatch='ragged' only"),
+    (dict(expert=2, data=4), dict(ff_chunks=2), "ff_chunks=2: applies to the grouped matmuls"),
     (dict(tensor=2, data=4), dict(ff_chunks=3, dispatch="ragged"), "ff_chunks=3: d_ff_expert=32 / mesh.tensor=2"),
     (dict(data=8), dict(ep_buffer=2.0, dispatch="ragged"), "ep_buffer=2.0: sizes the receive buffer"),
     (dict(expert=2, data=4), dict(ep_buffer=0.5, dispatch="ragged"), "ep_buffer=0.5: under 1 drops"),
     (dict(data=8), dict(grouped_impl="megablox", dispatch="ragged"), "grouped_impl='megablox' on cpu with 8"),
-    (dict(data=8), dict(grouped_impl="ragged_dot"), "grouped_impl='ragged_dot': applies to dispatch='ragged'"),
-], ids=["experts_vs_mesh", "first_dense", "router", "d_ff_vs_tensor", "chunks_vs_rows", "chunks_ragged",
+    (dict(expert=2, data=4), dict(grouped_impl="ragged_dot"), "grouped_impl='ragged_dot': applies to the grouped"),
+], ids=["experts_vs_mesh", "first_dense", "router", "d_ff_vs_tensor", "chunks_vs_rows", "chunks_one_expert_rank",
         "grouped_impl", "ff_chunks_capacity", "ff_chunks_divisor", "ep_buffer_one_rank", "ep_buffer_under_1",
         "megablox_off_tpu", "grouped_impl_capacity"])
 def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):

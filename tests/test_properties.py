@@ -4,8 +4,9 @@
   lengths, rows that start mid-document (every row, in some examples), padding (segment id 0, positions 0
   as `parallax.data` pads, or increasing), block sizes that do and do not divide the length, and queries
   that are a slice of the keys (as Ulysses / all-gather shards attend).
-- Capacity dispatch over expert ranks (rows per rank x dispatch chunks x capacity) equals a per-token loop
-  over the kept assignments, the kept ones chosen choice-major by an independent loop.
+- Capacity dispatch over expert ranks (rows per rank x dispatch chunks x capacity), and as grouped matmuls on
+  one rank, equals a per-token loop over the kept assignments, the kept ones chosen choice-major by an
+  independent loop.
 - Rotary attention is invariant to shifting all of a document's positions by one offset (why
   `parallax.data` may count positions from the window's start without changing Llama's loss).
 - Every `config.dist` key, given in the config or on the command line, reaches `jax.distributed.initialize`
@@ -135,6 +136,17 @@ def _capacity_fn(ep, chunks, cap):
     return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=(P("expert"),) * 3))
 
 
+@functools.cache
+def _grouped_capacity_fn(cap):
+    """Capacity routing on one expert rank as the model runs it: grouped matmuls of the kept assignments."""
+    def run(h, idx, gates, wg, wu, wd):
+        def grouped(xs, sizes):
+            act = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+            return jax.lax.ragged_dot(act, wd, sizes)
+        return ep_lib.moe_ragged(h, idx, gates, E, grouped, cap)
+    return jax.jit(run)
+
+
 @st.composite
 def dispatch_cases(draw):
     """(expert ranks, rows per rank, dispatch chunks dividing them, capacity factor)."""
@@ -163,6 +175,10 @@ def test_capacity_dispatch_over_expert_ranks_equals_a_loop_over_the_kept_assignm
     np.testing.assert_array_equal(keep, want_keep)
     np.testing.assert_array_equal(load, (idx[..., None] == np.arange(E)).sum(axis=(1, 2)))
     want = _loop_output(*(np.asarray(a, np.float64) for a in (h, idx, gates * want_keep, wg, wu, wd)))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    out, keep, load = _grouped_capacity_fn(cap)(h, idx, gates, wg, wu, wd)  # the whole batch on one rank
+    np.testing.assert_array_equal(keep, want_keep)
+    np.testing.assert_array_equal(load, (idx[..., None] == np.arange(E)).sum(axis=(1, 2)))
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 

@@ -30,7 +30,11 @@ on GPU / TPU; COMET / FUSCO overlap). Capacity is per row, so the chunks compute
 does (any backend); each all-to-all carries 1/chunks of the bytes, 2 * chunks of them each way.
 
 **Ragged path** (`moe_ragged`, dropless, one expert rank): assignments sorted by expert and run through
-`jax.lax.ragged_dot` (one grouped matmul per projection, groups = experts).
+`jax.lax.ragged_dot` (one grouped matmul per projection, groups = experts). On one expert rank the
+capacity path runs here too (`cap`): the same assignments kept and dropped, the dropped ones sorted past
+every group. Dense slots would hold [E, B, C, D] dispatch and expert buffers (cf * k * B * T rows of
+which the empty slots are computed too) and their gradients; grouped matmuls hold the kept rows only (Mixtral
+8x7B at fsdp 64 on the TPU compiler: 32.97 -> see docs/moe.md).
 
 **Ragged across expert ranks** (`moe_ragged_ep`): the sorted assignments are already grouped by
 destination rank, so one `jax.lax.ragged_all_to_all` sends each rank exactly its experts' rows (no
@@ -286,15 +290,27 @@ def _grouped_by_windows(grouped_fn, xs, sizes, windows: int):
     return ys.reshape(m, -1)
 
 
-def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn):
-    """The routed experts' output [B, T, D], dropless, on one expert rank: assignments sorted by expert,
+def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn, cap: int | None = None):
+    """The routed experts' output [B, T, D] on one expert rank: assignments sorted by expert,
     `grouped_fn(xs [B*T*k, D], group_sizes [E]) -> [B*T*k, D]` runs the experts as grouped matmuls
-    (`jax.lax.ragged_dot`). Returns (output, keep (all True), load [B, E])."""
+    (`jax.lax.ragged_dot`). Dropless by default; with `cap` (capacity routing at mesh.expert 1) the
+    assignments past their expert's C slots in a row (`slots`: the capacity path's choice-major rule) are
+    sorted after every kept one, outside every group, so `grouped_fn` must zero rows past sum(sizes) (and its
+    gradient flows to nothing there): the capacity path's result without its [E, B, C, D] slot buffers or the
+    matmuls of empty slots. Returns (output, keep [B, T, k], load [B, E])."""
     b, t, k = expert_idx.shape
     flat = expert_idx.reshape(b * t * k)
-    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    if cap is None:
+        keep = jnp.ones(expert_idx.shape, bool)
+        load = jnp.sum(jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.int32), axis=(1, 2))
+        key = flat
+    else:
+        _, keep, load = slots(expert_idx, num_experts, cap)
+        key = jnp.where(keep.reshape(-1), flat, num_experts)  # dropped: one group past the last expert
+    order = jnp.argsort(key, stable=True)  # assignments grouped by expert
+    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     xs = h.reshape(b * t, -1)[order // k]  # (B*T*k, D)
     ys = grouped_fn(xs, sizes)[jnp.argsort(order)].reshape(b, t, k, -1)  # back in assignment order
-    load = jnp.sum(jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.int32), axis=(1, 2))
-    return jnp.einsum("btkd,btk->btd", ys, gates.astype(ys.dtype)), jnp.ones(expert_idx.shape, bool), load
+    if cap is not None:
+        gates = jnp.where(keep, gates, jnp.zeros((), gates.dtype))
+    return jnp.einsum("btkd,btk->btd", ys, gates.astype(ys.dtype)), keep, load
