@@ -26,6 +26,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in `launch/plan.py` subprocesses at once; a process that has loaded libtpu holds its lockfile until it exits,
 # and the next one to load it fails ("libtpu multi-process lockfile"). Nothing here opens a TPU.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# A persistent compilation cache (keyed by the HLO program, the flags and the devices) shared by the xdist
+# workers and the launch/*.py subprocesses the tests start: the same single-device reference, and the same
+# train step of a run and of its resumed rerun, compile once per run of the suite. It lives in .pytest_cache
+# (ignored by git, removed by `make clean`), so a fresh clone starts cold; PARALLAX_TEST_NO_CACHE=1 turns it off.
+if os.environ.get("PARALLAX_TEST_NO_CACHE", "0") != "1":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                          os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                       ".pytest_cache", "jax-compilation-cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # noqa: E402
 
