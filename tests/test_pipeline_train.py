@@ -11,7 +11,7 @@ from parallax.trainer import Trainer
 
 TOL = 1e-5
 LAYERS = 8  # divisible into p * v stages for p in {2, 4}, v in {1, 2}
-VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2, "v_half": 2, "v_min": 2}
+VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2, "v_half": 2, "v_min": 2, "dualpipev": 2}
 
 
 def _config(schedule="1f1b", remat=False, **mesh):
@@ -37,6 +37,15 @@ CASES = [(s, p) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "
 @pytest.mark.parametrize("schedule,pipe", CASES, ids=[f"{s}-pipe{p}" for s, p in CASES])
 def test_pipelined_loss_grads_and_steps_match_single_device(reference, schedule, pipe):
     assert_parity(loss_grads_and_steps(_config(schedule, pipe=pipe, data=8 // pipe), jax.devices(), 5), reference, TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipe", [2, 4])
+def test_dualpipev_matches_single_device(reference, pipe):
+    """DualPipeV (its paired ticks run one action after the other here) needs 2 x pipe microbatches."""
+    config = _config("dualpipev", pipe=pipe, data=8 // pipe)
+    config.pipeline.microbatches = 2 * pipe
+    assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference, TOL)
 
 
 @pytest.mark.slow

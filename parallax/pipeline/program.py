@@ -101,6 +101,8 @@ def compile_schedule(schedule: Schedule, forward_only: bool = False) -> Program:
     `forward_only` keeps only the F actions, in their order and places, and drops the ticks left idle on
     every rank: the program of an evaluation (the last stage's F computes the loss and sends nothing).
     """
+    if schedule.pair is not None:  # paired ticks run one action after the other (each order is valid)
+        schedule = schedule.serialized()
     s, table = schedule, schedule.table
     if s.num_stages < 2:
         raise ValueError(f"{s.name}: the pipeline executor needs at least 2 stages, got {s.num_stages}; "

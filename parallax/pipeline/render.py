@@ -2,7 +2,7 @@
 
 Cells: `F3` forward of microbatch 3, `B3` input-gradient backward, `W3` weight-gradient backward, `X3`
 fused backward (BW), `.` idle. When a rank holds several chunks, a letter names the local chunk:
-`F3a` is chunk 0, `F3b` chunk 1, and so on.
+`F3a` is chunk 0, `F3b` chunk 1, and so on. `F7a+X3b`: a tick that runs two actions overlapped (dualpipev).
 """
 import dataclasses
 
@@ -23,9 +23,17 @@ def _label(schedule: Schedule, cell) -> str:
     return f"{_CELL[kind]}{mb}" + (chr(ord("a") + chunk) if schedule.num_chunks > 1 else "")
 
 
+def _tick_label(schedule: Schedule, t, r) -> str:
+    """The label of rank r's tick t: `F7a+X3b` where a tick pairs two actions (`Schedule.pair`)."""
+    label = _label(schedule, schedule.table[t, r])
+    if schedule.pair is not None and schedule.pair[t, r, 0] != IDLE:
+        label += "+" + _label(schedule, schedule.pair[t, r])
+    return label
+
+
 def render_text(schedule: Schedule) -> str:
     """One row per rank, one column per tick; see the module docstring for the cell legend."""
-    labels = [[_label(schedule, schedule.table[t, r]) for t in range(schedule.num_ticks)]
+    labels = [[_tick_label(schedule, t, r) for t in range(schedule.num_ticks)]
               for r in range(schedule.num_ranks)]
     width = max((len(x) for row in labels for x in row), default=1)
     return "\n".join(f"rank {r}: " + " ".join(x.rjust(width) for x in row) for r, row in enumerate(labels))
@@ -51,7 +59,10 @@ def render_png(schedule: Schedule, path: str, costs: dict | None = None) -> None
         kind = int(schedule.table[t, r, 0])
         x, w = sim.start[t, r], sim.cost[t, r]
         ax.barh(r, w, left=x, height=0.8, color=_COLORS[kind], edgecolor="black", linewidth=0.5)
-        ax.text(x + w / 2, r, _label(schedule, schedule.table[t, r]), ha="center", va="center", fontsize=6,
+        if schedule.pair is not None and schedule.pair[t, r, 0] != IDLE:  # an overlapped pair: two halves
+            ax.barh(r, w / 2, left=x + w / 2, height=0.8, color=_COLORS[int(schedule.pair[t, r, 0])],
+                    edgecolor="black", linewidth=0.5)
+        ax.text(x + w / 2, r, _tick_label(schedule, t, r), ha="center", va="center", fontsize=6,
                 color="white")
     kinds = sorted(set(schedule.table[..., 0].ravel().tolist()) - {IDLE})
     ax.legend(handles=[matplotlib.patches.Patch(color=_COLORS[k], label=_LEGEND[k]) for k in kinds],

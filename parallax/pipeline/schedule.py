@@ -46,6 +46,8 @@ class Schedule:
       the previous step's microbatch m-k, and slots (activations) stay live across windows.
     layers: the model's layers per stage, in stage order (an uneven layout, `with_layers`), or None: every
       stage holds num_layers / num_stages. The order of actions does not depend on it.
+    pair: None, or int32 like `table`: a second action each rank runs in the same tick, overlapped with the
+      first (DualPipeV's F of one microbatch beside the backward of another); idle cells where none.
     """
     name: str
     num_ranks: int
@@ -55,6 +57,35 @@ class Schedule:
     stage_of: np.ndarray
     steady: bool = False
     layers: tuple | None = None
+    pair: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.pair is not None and self.pair.shape != self.table.shape:
+            raise ScheduleError(f"{self.name}: pair must have the table's shape {self.table.shape}, got "
+                                f"{self.pair.shape}")
+
+    @property
+    def paired(self) -> bool:
+        """True if some tick runs two actions on a rank (`pair`): an F and a backward of other microbatches
+        and chunks, overlapped (DualPipeV)."""
+        return self.pair is not None and bool(np.any(self.pair[..., 0] != IDLE))
+
+    def serialized(self, pair_first: bool = False) -> "Schedule":
+        """This schedule with one action per rank per tick: each tick that pairs two actions on some rank
+        becomes two ticks, `table`'s action first (`pair`'s with `pair_first`). Both orders are valid
+        schedules exactly when the paired actions are independent (`validate.validate` checks both)."""
+        if not self.paired:
+            return dataclasses.replace(self, pair=None)
+        rows = []
+        for t in range(self.num_ticks):
+            both = (self.pair[t, :, 0] != IDLE)[:, None]
+            first, second = (self.pair[t], self.table[t]) if pair_first else (self.table[t], self.pair[t])
+            rows.append(np.where(both, first, self.table[t]))
+            if both.any():
+                rows.append(np.where(both, second, self.pair[t]))
+        table = np.stack(rows).astype(np.int32)
+        table = table[(table[..., 0] != IDLE).any(axis=1)]
+        return dataclasses.replace(self, table=table, pair=None)
 
     def with_layers(self, layers) -> "Schedule":
         """This schedule with `layers[s]` layers in stage s (None: even); checked against the stage count."""
@@ -300,6 +331,107 @@ def v_schedule(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
     return _list_schedule(name, m, stage_of, True, lambda r, kind, mb, c: order[r, kind, mb, c], in_order=True)
 
 
+def _dualpipev_programs(p: int, m: int) -> list[list[tuple]]:
+    """Each rank's program in DualPipeV (the "cut-in-half" DualPipe, DeepSeek's `dualpipev.py`): items of
+    one action `(kind, mb, chunk)` or two run overlapped. Chunk 0 is stage r, chunk 1 stage 2p-1-r. Rank r
+    runs: 2(p-r-1) F0; r+1 (F0, F1); p-r-1 (B1, W1, F1); m-2p+r+1 (F0 & BW1, F1 & BW0) -- the overlapped main
+    part (the last rank runs its first F0 and BW1 apart, as the reference does, to shorten the bubble);
+    p-r-1 (BW1, F1 & BW0); r+1 (B1, B0), fused backwards in the first half and split in the second; p-r-1
+    (W, B0); then the r+1 W's left. Each chunk runs its forwards and its backwards in microbatch order; W's
+    run in the order of their B's."""
+    programs = []
+    for r in range(p):
+        prog, nf, nb, pending = [], [0, 0], [0, 0], []
+
+        def f(c):
+            nf[c] += 1
+            return (F, nf[c] - 1, c)
+
+        def b(c, split):
+            nb[c] += 1
+            if split:
+                pending.append((W, nb[c] - 1, c))
+            return (B if split else BW, nb[c] - 1, c)
+
+        def one(*actions):
+            prog.extend((a,) for a in actions)
+        one(*(f(0) for _ in range(2 * (p - r - 1))))
+        for _ in range(r + 1):
+            one(f(0), f(1))
+        for _ in range(p - r - 1):
+            one(b(1, True), pending.pop(0), f(1))
+        for i in range(m - 2 * p + r + 1):
+            if i == 0 and r == p - 1:
+                one(f(0), b(1, False))
+            else:
+                prog.append((f(0), b(1, False)))
+            prog.append((f(1), b(0, False)))
+        for _ in range(p - r - 1):
+            one(b(1, False))
+            prog.append((f(1), b(0, False)))
+        split = False
+        for i in range(r + 1):
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            one(b(1, split))
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            one(b(0, split))
+        for _ in range(p - r - 1):
+            one(pending.pop(0), b(0, True))
+        one(*pending)
+        programs.append(prog)
+    return programs
+
+
+def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipeV: ZB-V's V placement (rank r holds stages r and 2p-1-r), each rank running DeepSeek's
+    program (`_dualpipev_programs`) strictly in order, each item as soon as its inputs arrived at an earlier
+    tick. In its main part a tick holds two actions on a rank (`Schedule.pair`): the forward of one chunk
+    beside the fused backward of the other chunk for another microbatch, which share no data, so that one's
+    communication can hide behind the other's compute. Needs m >= 2p."""
+    p, m = num_ranks, num_microbatches
+    if m < 2 * p:
+        raise ScheduleError(f"dualpipev needs microbatches >= 2 x stages ({2 * p}), got {m}; set "
+                            f"microbatches={2 * p}")
+    stage_of = np.stack([np.arange(p), 2 * p - 1 - np.arange(p)], axis=1)
+    programs = _dualpipev_programs(p, m)
+    done = {}  # (kind, mb, stage) -> tick; a backward is recorded as B whether split or fused
+    slots = [dict() for _ in range(p)]
+    pos = [0] * p
+    idle = np.array([IDLE, -1, -1, -1], np.int32)
+    rows, pairs = [], []
+
+    def ready(r, kind, mb, c, t):
+        s = int(stage_of[r, c])
+        if kind == F:
+            return s == 0 or done.get((F, mb, s - 1), t) < t
+        if kind == W:
+            return done.get((B, mb, s), t) < t
+        return done.get((F, mb, s), t) < t and (s == 2 * p - 1 or done.get((B, mb, s + 1), t) < t)
+
+    while any(pos[r] < len(programs[r]) for r in range(p)):
+        t = len(rows)
+        row, pair = np.tile(idle, (p, 1)), np.tile(idle, (p, 1))
+        for r in range(p):
+            if pos[r] == len(programs[r]) or not all(ready(r, *a, t) for a in programs[r][pos[r]]):
+                continue
+            item, pos[r] = programs[r][pos[r]], pos[r] + 1
+            for lane, (kind, mb, c) in zip((row, pair), item):  # slots taken before any is freed
+                if kind == F:
+                    used = set(slots[r].values())
+                    slots[r][mb, c] = min(i for i in range(len(used) + 1) if i not in used)
+                lane[r] = (kind, mb, c, slots[r][mb, c])
+            for kind, mb, c in item:
+                done[F if kind == F else W if kind == W else B, mb, int(stage_of[r, c])] = t
+                if kind in (W, BW):
+                    del slots[r][mb, c]
+        if all(row[:, 0] == IDLE):
+            raise RuntimeError(f"dualpipev: program stalled at tick {t} (p={p}, m={m})")
+        rows.append(row)
+        pairs.append(pair)
+    return Schedule("dualpipev", p, m, 2, np.stack(rows).astype(np.int32), stage_of.astype(np.int32),
+                    pair=np.stack(pairs).astype(np.int32))
+
+
 def circular_colouring(busy, period: int) -> list[int]:
     """Colours for intervals on a circle of `period` ticks: `busy[i]` is the list of ticks item i holds its
     colour (an activation slot, an inbox entry), taken mod `period`; items that share a tick get different
@@ -412,6 +544,7 @@ SCHEDULES = {
     "zbv": zbv,
     "v_half": lambda p, m: v_schedule("v_half", p, m),
     "v_min": lambda p, m: v_schedule("v_min", p, m),
+    "dualpipev": dualpipev,
 }
 # Steady schedules: one window of an endless pipeline per training step (no flush; see the module docstring).
 STEADY_SCHEDULES = {"2bw": two_bw}
@@ -432,7 +565,7 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stag
             raise ScheduleError(f"interleaved_1f1b needs microbatches a multiple of stages={p}, got {m}; "
                                 f"set microbatches={-(-m // p) * p}")
         return interleaved_1f1b(p, m, v)
-    if name in ("zbv", "v_half", "v_min"):
+    if name in ("zbv", "v_half", "v_min", "dualpipev"):
         if v not in (1, 2):
             raise ScheduleError(f"{name} always holds 2 chunks per rank, got virtual_stages={v}; set it to 2")
         return SCHEDULES[name](p, m)

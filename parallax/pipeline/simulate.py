@@ -41,23 +41,33 @@ def parse_costs(text: str) -> dict:
     costs = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("F", "B", "W", "BW"):
-            raise ValueError(f"bad cost {item!r}; write KIND=VALUE with KIND in F, B, W, BW")
+        if not sep or key.strip() not in ("F", "B", "W", "BW", "FB"):
+            raise ValueError(f"bad cost {item!r}; write KIND=VALUE with KIND in F, B, W, BW, FB (an overlapped "
+                             f"F and backward pair, dualpipev)")
         costs[key.strip()] = float(value)
     return costs
 
 
 def _cost_table(schedule: Schedule, costs) -> np.ndarray:
-    """float [ticks, ranks]: each action's cost; a kind's cost is one number, or one per global stage."""
+    """float [ticks, ranks]: each action's cost; a kind's cost is one number, or one per global stage. A
+    tick that pairs two actions on a rank (`Schedule.pair`) costs `costs['FB']` if given (their overlapped
+    time), else the sum of the two."""
     c = dict(DEFAULT_COSTS, **(costs or {}))
     c.pop("head_pass", None)
+    pair_cost = c.pop("FB", None)
     c.setdefault("BW", np.add(c["B"], c["W"]))
     stages = schedule.num_stages
     by_kind = np.stack([np.zeros(stages)] + [np.broadcast_to(np.asarray(c[k], float), (stages,))
                                              for k in ("F", "B", "W", "BW")])  # [kind, stage]
-    kinds, chunks = schedule.table[..., 0], np.maximum(schedule.table[..., 2], 0)
-    stage = schedule.stage_of[np.arange(schedule.num_ranks)[None, :], chunks]
-    return by_kind[kinds, stage]
+
+    def lane(table):
+        kinds, chunks = table[..., 0], np.maximum(table[..., 2], 0)
+        return by_kind[kinds, schedule.stage_of[np.arange(schedule.num_ranks)[None, :], chunks]]
+    cost = lane(schedule.table)
+    if schedule.pair is not None:
+        both = schedule.pair[..., 0] != IDLE
+        cost = np.where(both, float(pair_cost) if pair_cost is not None else cost + lane(schedule.pair), cost)
+    return cost
 
 
 def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0,
@@ -106,10 +116,14 @@ def best_layout(schedule: Schedule, num_layers: int, layer: float, embed: float 
 
 
 def live_slots(schedule: Schedule) -> np.ndarray:
-    """int [ranks]: peak number of activations held at once on each rank (F until its W or BW)."""
+    """int [ranks]: peak number of activations held at once on each rank (F until its W or BW; in a tick
+    that pairs an F with a backward, both are held)."""
     kinds = schedule.table[..., 0]
-    delta = (kinds == F).astype(int) - np.isin(kinds, (W, BW)).astype(int)  # [ticks, ranks]
-    return np.maximum(np.cumsum(delta, axis=0).max(axis=0, initial=0), 0)
+    gain, lose = (kinds == F).astype(int), np.isin(kinds, (W, BW)).astype(int)  # [ticks, ranks]
+    if schedule.pair is not None:
+        gain, lose = gain + (schedule.pair[..., 0] == F), lose + np.isin(schedule.pair[..., 0], (W, BW))
+    held = np.cumsum(gain - lose, axis=0) + lose  # during tick t: before its W / BW free their slots
+    return np.maximum(held.max(axis=0, initial=0), 0)
 
 
 def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockstep") -> SimResult:
@@ -138,20 +152,25 @@ def simulate(schedule: Schedule, costs: dict | None = None, mode: str = "lockste
     else:
         finish = {}  # (kind, mb, stage) -> finish time
         free = np.zeros(p)
+        lanes = [table] + ([schedule.pair] if schedule.pair is not None else [])
         for t in range(ticks):  # every input of an action ran at an earlier tick, so is timed by now
             for r in range(p):
-                kind, mb, c, _ = (int(x) for x in table[t, r])
-                if kind == IDLE:
+                actions = [tuple(int(x) for x in lane[t, r, :3]) for lane in lanes if lane[t, r, 0] != IDLE]
+                if not actions:
                     continue
-                s = int(stage_of[r, c])
-                if kind == F:
-                    inputs = [(F, mb, s - 1)] if s > 0 else []
-                elif kind == W:
-                    inputs = [(B, mb, s)]
-                else:
-                    inputs = [(F, mb, s), (B, mb, s + 1), (BW, mb, s + 1)]
+                inputs = []
+                for kind, mb, c in actions:
+                    s = int(stage_of[r, c])
+                    if kind == F:
+                        inputs += [(F, mb, s - 1)] if s > 0 else []
+                    elif kind == W:
+                        inputs += [(B, mb, s)]
+                    else:
+                        inputs += [(F, mb, s), (B, mb, s + 1), (BW, mb, s + 1)]
                 start[t, r] = max([free[r]] + [finish[k] for k in inputs if k in finish])
-                free[r] = finish[kind, mb, s] = start[t, r] + cost[t, r]
+                free[r] = start[t, r] + cost[t, r]  # a pair of actions starts and ends together
+                for kind, mb, c in actions:
+                    finish[kind, mb, int(stage_of[r, c])] = free[r]
         total = float(free.max(initial=0.0))
     busy_time = float(cost.sum()) + (head_pass * p * float(last.any(axis=1).sum()) if head_pass else 0.0)
     slots = live_slots(schedule)
@@ -186,6 +205,8 @@ def bubble_table(p: int = 4, ms=(4, 8, 16)) -> list[tuple]:
     rows = []
     for name in SCHEDULES:
         for m in ms:
+            if name == "dualpipev" and m < 2 * p:  # it needs m >= 2p
+                continue
             s = make_schedule(name, p, m, 2 if name == "interleaved_1f1b" else 1)
             lock, asyn = simulate(s, mode="lockstep"), simulate(s, mode="async")
             rows.append((name, m, asyn.bubble, lock.bubble, lock.peak_slots, s.num_ticks))

@@ -47,6 +47,18 @@ def _check_cell(s: Schedule, t, r, cell):
 def validate(schedule: Schedule) -> None:
     """Checks `schedule` and raises ScheduleError on the first violation, in tick order."""
     s = schedule
+    if s.pair is not None:  # two actions in one tick: each order must hold, i.e. they share no data
+        _check_structure(s)
+        if s.steady:
+            raise ScheduleError(f"{s.name}: a steady schedule cannot pair actions in a tick")
+        lone = (s.pair[..., 0] != IDLE) & (s.table[..., 0] == IDLE)
+        if lone.any():
+            t, r = (int(x) for x in np.argwhere(lone)[0])
+            raise ScheduleError(f"tick {t} rank {r}: a paired action beside an idle cell; move it into the table")
+        for t, r in np.argwhere(s.pair[..., 0] != IDLE):
+            _check_cell(s, int(t), int(r), s.pair[t, r])
+        validate(s.serialized())
+        return validate(s.serialized(pair_first=True))
     if s.steady:  # run back to back, the windows must be one valid schedule
         _check_structure(s)
         if s.table.size and (s.table[..., 1].min() < -s.num_microbatches):
