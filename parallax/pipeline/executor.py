@@ -80,8 +80,11 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
         return layout.stacked((loss, grads, layout.reduce_stats(stats)) if stage_aux else (loss, grads))
     # Stats leaves are [1, v, ...] per rank, split over `pipe` (P("pipe") is a prefix spec for all of them).
     out_specs = (layout.stacked_spec(P()), layout.specs, layout.stacked_spec(P("pipe")))[:3 if stage_aux else 2]
-    return _run(layout, compile_schedule(schedule), (first_fn, stage_fn, layer_fn, last_fn), (params,), inputs,
-                finish, out_specs, remat=remat, stage_aux=stage_aux, split_w=True, vocab_parallel=vocab_parallel)
+    # A schedule's paired actions (dualpipev) run in one branch; with vocab_parallel, whose head and embedding
+    # passes follow one action per tick, one after the other.
+    return _run(layout, compile_schedule(schedule, serialize=vocab_parallel), (first_fn, stage_fn, layer_fn, last_fn),
+                (params,), inputs, finish, out_specs, remat=remat, stage_aux=stage_aux, split_w=True,
+                vocab_parallel=vocab_parallel)
 
 
 def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None, layer_fn=None,
@@ -416,6 +419,56 @@ class _Ticks:
             return (slots, cots, inbox, grads, loss + dloss, stats), None
         return step
 
+    def paired_tick(self, prog: Program):
+        """One scan step of a program with paired actions (`Program.pair_code`, dualpipev): every rank
+        switches once, on the pair of its two instructions, and the branch of a pair runs both actions: no
+        data passes between them, so within that one computation the compiler may run one's collectives
+        while the other computes. Then each lane's results are written as `tick` writes one action's, and
+        each lane's messages move by its own permutes."""
+        branches, rank = self.branches(prog), jax.lax.axis_index("pipe")
+        stores = jnp.asarray(np.isin(np.array(prog.branches), (Op.F, Op.F_FIRST, Op.F_LAST)))
+        stores_cots = jnp.asarray(np.isin(np.array(prog.branches), (Op.B, Op.B_FIRST)))
+        patterns = [(prog.send_patterns("up", k)[1], prog.send_patterns("down", k)[1]) for k in (0, 1)]
+        combos = self.combos(prog)[1]
+
+        def both(a, b):
+            return lambda slots, cots, inbox, ins0, ins1: (branches[a](slots, cots, inbox, ins0),
+                                                           branches[b](slots, cots, inbox, ins1))
+        combo_fns = [both(a, b) for a, b in combos]
+
+        def step(carry, xs):  # code_t / pair_t: [p, fields] of each lane; combo_t [p]; send_t [lane, up / down]
+            code_t, pair_t, combo_t, send_t = xs
+            slots, cots, inbox, grads, loss, stats = carry
+            lanes = (code_t[rank], pair_t[rank])
+            outs = jax.lax.switch(combo_t[rank], combo_fns, slots, cots, inbox, *lanes)
+            for ins, (msg, res, cot, dgrads, dloss, dstats) in zip(lanes, outs):
+                stats = _add_chunk(stats, ins[Field.CHUNK], dstats)
+                slots = tuple(_write(buf, jnp.where(stores[ins[Field.BRANCH]], ins[Field.SLOT], -1), r)
+                              for buf, r in zip(slots, res))
+                cots = tuple(_write(buf, jnp.where(stores_cots[ins[Field.BRANCH]], ins[Field.SLOT], -1), c)
+                             for buf, c in zip(cots, cot))
+                if grads:
+                    (gw, gf, gl), (dw, df, dl) = grads, dgrads
+                    grads = (_add_chunk(gw, ins[Field.CHUNK], dw), jax.tree.map(jnp.add, gf, df),
+                             jax.tree.map(jnp.add, gl, dl))
+                loss = loss + dloss
+                inbox = _write(inbox, ins[Field.LOCAL], msg)
+            for k, (ins, out) in enumerate(zip(lanes, outs)):
+                up, down = patterns[k]
+                if up:
+                    inbox = _write(inbox, ins[Field.FROM_UP], _send(send_t[k, 0], out[0], up))
+                if down:
+                    inbox = _write(inbox, ins[Field.FROM_DOWN], _send(send_t[k, 1], out[0], down))
+            return (slots, cots, inbox, grads, loss, stats), None
+        return step
+
+    @staticmethod
+    def combos(prog: Program):
+        """(int [ticks, p]: the index of each rank's pair of branches, the pairs (branch, paired branch))."""
+        pairs = np.stack([prog.code[..., Field.BRANCH], prog.pair_code[..., Field.BRANCH]], axis=-1)
+        combos, index = np.unique(pairs.reshape(-1, 2), axis=0, return_inverse=True)
+        return index.reshape(pairs.shape[:2]).astype(np.int32), [tuple(int(x) for x in c) for c in combos]
+
     @staticmethod
     def ops(prog: Program) -> np.ndarray:
         """int [ticks, p]: the `Op` of each rank's instruction."""
@@ -451,6 +504,13 @@ class _Ticks:
               for x in (first, last)))
         stats = jax.tree.map(lambda a: buffer(a, self.num_chunks), stage.stats0)
         carry = (slots, cots, inbox, grads, zeros(jax.ShapeDtypeStruct(lead, f32), axes=self.loss_axes), stats)
+        if prog.pair_code is not None:
+            sends = np.stack([np.stack([prog.send_patterns(d, k)[0] for d in ("up", "down")], axis=1)
+                              for k in (0, 1)], axis=1)  # [ticks, lane, direction]
+            (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(
+                self.paired_tick(prog), carry, (jnp.asarray(prog.code), jnp.asarray(prog.pair_code),
+                                                jnp.asarray(self.combos(prog)[0]), jnp.asarray(sends)))
+            return loss, grads, stats, (slots, inbox)
         sends = np.stack([prog.send_patterns("up")[0], prog.send_patterns("down")[0]], axis=1)
         (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(
             self.tick(prog), carry, (jnp.asarray(prog.code), jnp.asarray(sends),

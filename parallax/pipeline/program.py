@@ -61,6 +61,10 @@ class Program:
     steady: the program of a steady schedule (2bw): `code[..., Field.MB]` indexes 2m microbatches (the
       previous step's, then the current step's), and the slots and the inbox are carried from one step's
       program to the next (a message or an activation may outlive the window).
+    pair_code: None, or the instructions of each tick's second action (a schedule's `pair`, dualpipev), like
+      `code`: both run in one switch branch, so that neither waits for the other's communication; each
+      lane's messages move by their own permutes, and `FROM_UP` / `FROM_DOWN` of a lane place the messages
+      the neighbours' same lane sent.
     """
     code: np.ndarray
     branches: tuple[int, ...]
@@ -69,6 +73,7 @@ class Program:
     up_perm: tuple[tuple[int, int], ...]
     down_perm: tuple[tuple[int, int], ...]
     steady: bool = False
+    pair_code: np.ndarray | None = None
 
     @property
     def num_versions(self) -> int:
@@ -79,29 +84,32 @@ class Program:
     def num_ticks(self) -> int:
         return int(self.code.shape[0])
 
-    def send_patterns(self, direction: str):
+    def send_patterns(self, direction: str, lane: int = 0):
         """(pattern per tick, patterns) of the messages moving `direction` ("up": rank r -> r+1, "down":
         r -> r-1): patterns are the distinct sets of (source, destination) pairs that send on some tick,
         and the tick's entry is 0 when nothing moves that way, else 1 + the index of its pattern. The
         executor runs one `ppermute` per pattern, each only on its ticks, so every message it moves is one
-        the schedule uses."""
+        the schedule uses. `lane` 1: the messages of the paired actions (`pair_code`)."""
         field, shift = (Field.FROM_UP, -1) if direction == "up" else (Field.FROM_DOWN, 1)
-        p = self.code.shape[1]
+        code = self.code if lane == 0 else self.pair_code
+        p = code.shape[1]
         index, patterns = np.zeros(self.num_ticks, np.int32), {}
         for t in range(self.num_ticks):
-            pairs = tuple(((dst + shift) % p, dst) for dst in np.flatnonzero(self.code[t, :, field] >= 0).tolist())
+            pairs = tuple(((dst + shift) % p, dst) for dst in np.flatnonzero(code[t, :, field] >= 0).tolist())
             if pairs:
                 index[t] = patterns.setdefault(pairs, len(patterns)) + 1
         return index, tuple(patterns)
 
 
-def compile_schedule(schedule: Schedule, forward_only: bool = False) -> Program:
+def compile_schedule(schedule: Schedule, forward_only: bool = False, serialize: bool = False) -> Program:
     """Lowers `schedule` into executor instructions; raises ValueError if the executor cannot run it.
 
     `forward_only` keeps only the F actions, in their order and places, and drops the ticks left idle on
-    every rank: the program of an evaluation (the last stage's F computes the loss and sends nothing).
+    every rank: the program of an evaluation (the last stage's F computes the loss and sends nothing); a
+    schedule's paired actions then run one after the other. `serialize` does that for training too (the
+    executor then runs one action per tick).
     """
-    if schedule.pair is not None:  # paired ticks run one action after the other (each order is valid)
+    if schedule.pair is not None and (forward_only or serialize):  # either order of a pair is valid
         schedule = schedule.serialized()
     s, table = schedule, schedule.table
     if s.num_stages < 2:
@@ -115,26 +123,31 @@ def compile_schedule(schedule: Schedule, forward_only: bool = False) -> Program:
     if forward_only:
         table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
         table = table[(table[..., 0] != IDLE).any(axis=1)]
-    msgs = _messages(s, table, forward_only)
+    lanes = [table] if s.pair is None else [table, s.pair]
+    msgs = _messages(s, lanes, forward_only)
     entry, inbox_size = _inbox_entries(msgs, s.num_ranks)
-    code, up, down = _instructions(s, table, msgs, entry, forward_only)
-    branches = tuple(sorted(set(code[..., Field.BRANCH].ravel().tolist()) | {Op.IDLE}))
-    code[..., Field.BRANCH] = np.searchsorted(np.array(branches), code[..., Field.BRANCH])
-    return Program(code, branches, inbox_size, s.num_slots, tuple(sorted(up)), tuple(sorted(down)))
+    codes, up, down = zip(*(_instructions(s, lane, msgs, entry, forward_only) for lane in lanes))
+    branches = tuple(sorted(set(np.concatenate([c[..., Field.BRANCH].ravel() for c in codes]).tolist()) | {Op.IDLE}))
+    for code in codes:
+        code[..., Field.BRANCH] = np.searchsorted(np.array(branches), code[..., Field.BRANCH])
+    return Program(codes[0], branches, inbox_size, s.num_slots, tuple(sorted(set().union(*up))),
+                   tuple(sorted(set().union(*down))), pair_code=codes[1] if len(codes) > 1 else None)
 
 
-def _messages(s: Schedule, table, forward_only):
-    """Every message of the schedule: key -> (producer rank, producer tick, consumer rank, last use tick).
+def _messages(s: Schedule, lanes, forward_only):
+    """Every message of the schedule (its tables `lanes`: the table, and the paired actions' if any):
+    key -> (producer rank, producer tick, consumer rank, last use tick).
 
     ("x", mb, stage) is the input activation of F(mb, stage); ("g", mb, stage) is the output cotangent of
     stage `stage`, read by its B / BW and again by its W."""
     p, num_stages = s.num_ranks, s.num_stages
     rank_of = {int(s.stage_of[r, c]): r for r in range(p) for c in range(s.num_chunks)}
     f_at, g_at, w_at = {}, {}, {}  # (mb, stage) -> tick of F / of B or BW / of W
-    for t, r in np.argwhere(table[..., 0] != IDLE):
-        kind, mb, c, _ = (int(x) for x in table[t, r])
-        key = (mb, int(s.stage_of[r, c]))
-        {F: f_at, B: g_at, BW: g_at, W: w_at}[kind][key] = int(t)
+    for table in lanes:
+        for t, r in np.argwhere(table[..., 0] != IDLE):
+            kind, mb, c, _ = (int(x) for x in table[t, r])
+            key = (mb, int(s.stage_of[r, c]))
+            {F: f_at, B: g_at, BW: g_at, W: w_at}[kind][key] = int(t)
     msgs = {}
     for (mb, stage), t in f_at.items():
         if stage + 1 < num_stages:
@@ -166,7 +179,7 @@ def _compile_steady(s: Schedule) -> Program:
     message one step later (the windows repeat), and entries are coloured on the circle of the window."""
     m, n, p = s.num_microbatches, s.num_ticks, s.num_ranks
     full = unroll(s, 3)
-    msgs = _messages(full, full.table, False)
+    msgs = _messages(full, [full.table], False)
     mine = {k: v for k, v in msgs.items() if n <= v[1] < 2 * n}  # sent in the middle window
     entry = {}
     for dst in range(p):
