@@ -23,7 +23,8 @@ flags.DEFINE_string("schedule", "1f1b", f"one of {', '.join([*SCHEDULES, *STEADY
 flags.DEFINE_integer("stages", 4, "pipeline ranks p")
 flags.DEFINE_integer("microbatches", 8, "microbatches m")
 flags.DEFINE_integer("virtual", 1, "chunks per rank v (interleaved_1f1b; zbv, v_half, v_min always use 2)")
-flags.DEFINE_string("costs", "", "action costs, e.g. F=1,B=1,W=1 (BW defaults to B+W)")
+flags.DEFINE_string("costs", "", "action costs, e.g. F=1,B=1,W=1 (BW defaults to B+W; FB, a dualpipev tick that pairs an F "
+                    "and a backward, to F+BW)")
 flags.DEFINE_string("png", "", "also write the lockstep timeline to this PNG file")
 
 

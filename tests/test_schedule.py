@@ -21,7 +21,7 @@ def _cases():
         for p in (1, 2, 3, 4, 6):
             for m in (1, 2, 3, 4, 5, 8, 12):
                 for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
-                    if name != "interleaved_1f1b" or m % p == 0:
+                    if (name != "interleaved_1f1b" or m % p == 0) and (name != "dualpipev" or m >= 2 * p):
                         yield name, p, m, v
 
 
@@ -32,7 +32,7 @@ def test_every_generator_output_validates(name):
             s = make_schedule(name, p, m, v)
             validate(s)
             assert s.table.shape == (s.num_ticks, p, 4)
-            assert s.num_chunks == (v if name == "interleaved_1f1b" else 2 if name in ("zbv", "v_half", "v_min")
+            assert s.num_chunks == (v if name == "interleaved_1f1b" else 2 if name in ("zbv", "v_half", "v_min", "dualpipev")
                                     else 1)
 
 
@@ -136,7 +136,8 @@ def test_async_waits_for_inputs_and_costs_scale():
 
 def test_bubble_table_has_a_row_per_schedule_and_m():
     rows = bubble_table(p=2, ms=(2, 4))
-    assert [(r[0], r[1]) for r in rows] == [(n, m) for n in SCHEDULES for m in (2, 4)]
+    assert [(r[0], r[1]) for r in rows] == [(n, m) for n in SCHEDULES for m in (2, 4)
+                                            if n != "dualpipev" or m == 4]  # it needs m >= 2p
     text = format_bubble_table(rows)
     assert text.startswith("| schedule | m |") and "| zbv | 4 |" in text
 
@@ -283,7 +284,8 @@ def test_cli_prints_summary_and_exits_2_on_bad_arguments():
     (("zb_h1", 4, 8, 2), "zb_h1 holds one chunk per rank, got virtual_stages=2; set it to 1 or use "
                          "interleaved_1f1b"),
     (("pipedream", 4, 8), "unknown schedule 'pipedream'; set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min, "
-                             "2bw"),
+                             "dualpipev, 2bw"),
+    (("dualpipev", 4, 6), "dualpipev needs microbatches >= 2 x stages (8), got 6; set microbatches=8"),
 ])
 def test_make_schedule_error_messages_are_exact(args, message):
     # These reach the user verbatim (the CLI and the trainer print them as the one-line error).
@@ -406,12 +408,13 @@ def test_a_schedule_without_ticks_has_no_bubble():
 
 
 def test_parse_costs_reads_every_kind_and_rejects_bad_entries_by_name():
-    assert parse_costs("F=1, B=2.5,,W=0.5,BW=3") == {"F": 1.0, "B": 2.5, "W": 0.5, "BW": 3.0}
+    assert parse_costs("F=1, B=2.5,,W=0.5,BW=3,FB=2") == {"F": 1.0, "B": 2.5, "W": 0.5, "BW": 3.0, "FB": 2.0}
     assert parse_costs("") == {}
     for bad in ("X=2", "F", "F:1"):
         with pytest.raises(ValueError) as e:
             parse_costs(f"B=1,{bad}")
-        assert str(e.value) == f"bad cost {bad!r}; write KIND=VALUE with KIND in F, B, W, BW"
+        assert str(e.value) == (f"bad cost {bad!r}; write KIND=VALUE with KIND in F, B, W, BW, FB (an overlapped F "
+                                f"and backward pair, dualpipev)")
     with pytest.raises(ValueError) as e:
         simulate(make_schedule("1f1b", 2, 2), mode="sync")
     assert str(e.value) == "mode must be 'lockstep' or 'async', got 'sync'"
@@ -493,7 +496,7 @@ def test_2bw_needs_microbatches_at_least_stages_and_has_no_flushing_timing():
         make_schedule("2bw", 2, 4, 2)
     with pytest.raises(ValueError, match=r"2bw is steady"):
         simulate(make_schedule("2bw", 2, 4))
-    with pytest.raises(ScheduleError, match=r"set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min, 2bw$"):
+    with pytest.raises(ScheduleError, match=r"set one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min, dualpipev, 2bw$"):
         make_schedule("pipedream", 2, 4)
 
 

@@ -153,6 +153,7 @@ def _valid_cases():
         m = draw(st.integers(1, 16))
         v = draw(st.integers(2, 4)) if name == "interleaved_1f1b" else 2 if name == "zbv" else 1
         assume(name != "interleaved_1f1b" or m % p == 0)
+        assume(name != "dualpipev" or m >= 2 * p)
         return name, p, m, v
     return case()
 

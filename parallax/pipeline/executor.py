@@ -429,7 +429,7 @@ class _Ticks:
         stores = jnp.asarray(np.isin(np.array(prog.branches), (Op.F, Op.F_FIRST, Op.F_LAST)))
         stores_cots = jnp.asarray(np.isin(np.array(prog.branches), (Op.B, Op.B_FIRST)))
         patterns = [(prog.send_patterns("up", k)[1], prog.send_patterns("down", k)[1]) for k in (0, 1)]
-        combos = self.combos(prog)[1]
+        combos = prog.pair_branches()[1]
 
         def both(a, b):
             return lambda slots, cots, inbox, ins0, ins1: (branches[a](slots, cots, inbox, ins0),
@@ -461,13 +461,6 @@ class _Ticks:
                     inbox = _write(inbox, ins[Field.FROM_DOWN], _send(send_t[k, 1], out[0], down))
             return (slots, cots, inbox, grads, loss, stats), None
         return step
-
-    @staticmethod
-    def combos(prog: Program):
-        """(int [ticks, p]: the index of each rank's pair of branches, the pairs (branch, paired branch))."""
-        pairs = np.stack([prog.code[..., Field.BRANCH], prog.pair_code[..., Field.BRANCH]], axis=-1)
-        combos, index = np.unique(pairs.reshape(-1, 2), axis=0, return_inverse=True)
-        return index.reshape(pairs.shape[:2]).astype(np.int32), [tuple(int(x) for x in c) for c in combos]
 
     @staticmethod
     def ops(prog: Program) -> np.ndarray:
@@ -509,7 +502,7 @@ class _Ticks:
                               for k in (0, 1)], axis=1)  # [ticks, lane, direction]
             (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(
                 self.paired_tick(prog), carry, (jnp.asarray(prog.code), jnp.asarray(prog.pair_code),
-                                                jnp.asarray(self.combos(prog)[0]), jnp.asarray(sends)))
+                                                jnp.asarray(prog.pair_branches()[0]), jnp.asarray(sends)))
             return loss, grads, stats, (slots, inbox)
         sends = np.stack([prog.send_patterns("up")[0], prog.send_patterns("down")[0]], axis=1)
         (slots, _, inbox, grads, loss, stats), _ = jax.lax.scan(

@@ -84,6 +84,13 @@ class Program:
     def num_ticks(self) -> int:
         return int(self.code.shape[0])
 
+    def pair_branches(self):
+        """With `pair_code`: (int [ticks, p], the index of each rank's pair of branches in the list; the list
+        of distinct pairs (branch, paired branch)): the switch branches of a paired program."""
+        pairs = np.stack([self.code[..., Field.BRANCH], self.pair_code[..., Field.BRANCH]], axis=-1)
+        combos, index = np.unique(pairs.reshape(-1, 2), axis=0, return_inverse=True)
+        return index.reshape(pairs.shape[:2]).astype(np.int32), [tuple(int(x) for x in c) for c in combos]
+
     def send_patterns(self, direction: str, lane: int = 0):
         """(pattern per tick, patterns) of the messages moving `direction` ("up": rank r -> r+1, "down":
         r -> r-1): patterns are the distinct sets of (source, destination) pairs that send on some tick,

@@ -82,6 +82,11 @@ def step_flops(closed_jaxpr, prog) -> dict:
     traced step running `prog` (`compile_schedule(schedule)`)."""
     per_branch = branch_flops(closed_jaxpr)  # a steady program's switch: its branches once per weight version
     n = len(prog.branches)
+    if prog.pair_code is not None:  # the switch's branches are the pairs of branches (`F+BW`)
+        index, pairs = prog.pair_branches()
+        counts = np.bincount(index.ravel(), minlength=len(pairs))
+        names = {"+".join(BRANCH_NAMES[prog.branches[k]] for k in pair): f for pair, f in zip(pairs, per_branch)}
+        return {**names, "total": int(sum(int(c) * f for c, f in zip(counts, per_branch)))}
     index = prog.code[..., Field.BRANCH] + n * prog.code[..., Field.VERSION]
     counts = np.bincount(index.ravel(), minlength=n * prog.num_versions)
     names = {BRANCH_NAMES[b]: f for b, f in zip(prog.branches, per_branch)}
@@ -94,10 +99,13 @@ def messages_moved(prog) -> dict:
     - "every_tick": both ring permutes over all their pairs on every tick (the executor before send patterns);
     - "sent": what the executor moves: one permute per send pattern, on its ticks (`Program.send_patterns`);
     - "needed": the messages the schedule consumes on another rank (the minimum)."""
-    sent = 0
-    for direction in ("up", "down"):
-        index, patterns = prog.send_patterns(direction)
-        sent += sum(len(patterns[i - 1]) for i in index.tolist() if i)
-    up, down = prog.code[..., Field.FROM_UP], prog.code[..., Field.FROM_DOWN]  # the receiver's inbox entry, or -1
-    return {"every_tick": prog.num_ticks * (len(prog.up_perm) + len(prog.down_perm)), "sent": sent,
-            "needed": int((up >= 0).sum() + (down >= 0).sum())}
+    sent, needed = 0, 0
+    lanes = (prog.code,) if prog.pair_code is None else (prog.code, prog.pair_code)
+    for lane, code in enumerate(lanes):  # a paired program's lanes move their messages apart
+        for direction in ("up", "down"):
+            index, patterns = prog.send_patterns(direction, lane)
+            sent += sum(len(patterns[i - 1]) for i in index.tolist() if i)
+        up, down = code[..., Field.FROM_UP], code[..., Field.FROM_DOWN]  # the receiver's inbox entry, or -1
+        needed += int((up >= 0).sum() + (down >= 0).sum())
+    return {"every_tick": prog.num_ticks * (len(prog.up_perm) + len(prog.down_perm)) * len(lanes), "sent": sent,
+            "needed": needed}
