@@ -62,6 +62,7 @@ MODEL_PARALLEL_CASES = [
     ("zbv", dict(data=2, seq=2), "ulysses", 5),
     ("1f1b", dict(tensor=2, seq=2), "ulysses", 5),
     ("1f1b", dict(fsdp=2, tensor=2), "dense", 5),
+    ("dualpipev", dict(fsdp=2, tensor=2), "dense", 5),
     ("1f1b", dict(seq=4), "allgather", 5),  # 2 kv heads on 4 seq ranks: no head is split
     ("1f1b", dict(seq=2, tensor=2), "allgather", 5),
 ]
@@ -94,9 +95,10 @@ def test_vocab_parallel_head_matches_single_device(reference, schedule, mesh):
     assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference, TOL)
 
 
-def test_v_min_trains_in_bf16_evaluates_and_resumes(tmp_path):
+@pytest.mark.parametrize("schedule", ["v_min", "dualpipev"])
+def test_v_schedules_train_in_bf16_evaluate_and_resume(tmp_path, schedule):
     from helpers import bf16_train_eval_resume
-    bf16_train_eval_resume(_config("v_min", pipe=2, data=4), tmp_path)
+    bf16_train_eval_resume(_config(schedule, pipe=2, data=4), tmp_path)
 
 
 @pytest.fixture(scope="module")
