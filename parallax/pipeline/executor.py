@@ -260,23 +260,16 @@ class _Ticks:
         def idle(w, slots, cots, inbox, ins):
             return self.out()
 
-        def fwd(w, slots, cots, inbox, ins, first=False):
-            first_p, stages, _ = w
+        def fwd_in(w, inbox, ins, first):  # -> (microbatch inputs, chunk input)
             mb = _index(self.inputs, ins[Field.MB])
             if first:  # with vocab_parallel, the embedding pass's sum, computed before the switch (`tick`)
-                x = self.embedded if self.vocab_parallel else self.first_fn(first_p, mb)
-            else:
-                x = inbox[ins[Field.IN]]
-            y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), x, mb, self.active_of(ins))
-            return self.out(msg=y, res=res, loss=term, stats=stats or None)
+                return mb, self.embedded if self.vocab_parallel else self.first_fn(w[0], mb)
+            return mb, inbox[ins[Field.IN]]
 
-        def fwd_last(w, slots, cots, inbox, ins):
-            _, stages, last_p = w
-            mb = _index(self.inputs, ins[Field.MB])
-            y, res, term, stats = stage.forward(_index(stages, ins[Field.CHUNK]), inbox[ins[Field.IN]], mb,
-                                                self.active_of(ins))
-            if self.vocab_parallel:  # the head runs after the switch, on every rank (`head_pass`)
+        def fwd_out(w, mb, y, res, term, stats, last):
+            if not last or self.vocab_parallel:  # with vocab_parallel the head runs after the switch (`head_pass`)
                 return self.out(msg=y, res=res, loss=term, stats=stats or None)
+            last_p = w[2]
             if self.forward_only:
                 return self.out(loss=self.last_fn(last_p, y, mb))
             l, pb = jax.vjp(lambda lp, y: self.last_fn(lp, y, mb), last_p, y)
@@ -285,20 +278,40 @@ class _Ticks:
                 l = cast(l.astype(jnp.float32), self.loss_axes) + cast(term, self.loss_axes)
             return self.out(msg=dy, res=res, dlast=dlast, loss=l, stats=stats or None)
 
-        def bwd(w, slots, cots, inbox, ins, need_dx, need_dw, first=False):
-            first_p, stages, _ = w
-            mb = _index(self.inputs, ins[Field.MB])
-            stored = tuple(c[ins[Field.SLOT]] for c in cots) if stage.split_w and not need_dx else None
-            dx, dw, keep = stage.backward(_index(stages, ins[Field.CHUNK]), ins[Field.SLOT], mb, slots,
-                                          inbox[ins[Field.IN]], stored, need_dx, need_dw, self.active_of(ins))
+        def fwd(w, slots, cots, inbox, ins, first=False, last=False):
+            mb, x = fwd_in(w, inbox, ins, first)
+            y, res, term, stats = stage.forward(_index(w[1], ins[Field.CHUNK]), x, mb, self.active_of(ins))
+            return fwd_out(w, mb, y, res, term, stats, last)
+
+        def bwd_out(w, mb, dx, dw, keep, need_dx, first):
             if need_dx and first and self.vocab_parallel:  # the embedding's backward runs after the switch
                 return self.out(msg=dx, dw=dw, cots=keep)
             if need_dx and first:
-                return self.out(dw=dw, cots=keep,
-                                dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), first_p)[1](dx)[0])
+                return self.out(dw=dw, cots=keep, dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), w[0])[1](dx)[0])
             return self.out(msg=dx, dw=dw, cots=keep)
 
-        impls = {Op.IDLE: idle, Op.F: fwd, Op.F_FIRST: functools.partial(fwd, first=True), Op.F_LAST: fwd_last,
+        def bwd(w, slots, cots, inbox, ins, need_dx, need_dw, first=False):
+            mb = _index(self.inputs, ins[Field.MB])
+            stored = tuple(c[ins[Field.SLOT]] for c in cots) if stage.split_w and not need_dx else None
+            dx, dw, keep = stage.backward(_index(w[1], ins[Field.CHUNK]), ins[Field.SLOT], mb, slots,
+                                          inbox[ins[Field.IN]], stored, need_dx, need_dw, self.active_of(ins))
+            return bwd_out(w, mb, dx, dw, keep, need_dx, first)
+
+        def fwd_bwd(w, slots, cots, inbox, ins, ins1, first=False, last=False, first1=False):
+            """A forward (`ins`) and a fused backward (`ins1`) of other microbatches, overlapped in one scan
+            over their chunks' layers (`Stage.forward_backward`)."""
+            mb, x = fwd_in(w, inbox, ins, first)
+            mb1 = _index(self.inputs, ins1[Field.MB])
+            (y, res, term, stats), (dx, dw) = stage.forward_backward(
+                _index(w[1], ins[Field.CHUNK]), x, mb, _index(w[1], ins1[Field.CHUNK]), ins1[Field.SLOT], mb1, slots,
+                inbox[ins1[Field.IN]])
+            return fwd_out(w, mb, y, res, term, stats, last), bwd_out(w, mb1, dx, dw, None, True, first1)
+        self.fwd_bwd = {(f, b): functools.partial(fwd_bwd, first=f == Op.F_FIRST, last=f == Op.F_LAST,
+                                                  first1=b == Op.BW_FIRST)
+                        for f in (Op.F, Op.F_FIRST, Op.F_LAST) for b in (Op.BW, Op.BW_FIRST)}
+
+        impls = {Op.IDLE: idle, Op.F: fwd, Op.F_FIRST: functools.partial(fwd, first=True),
+                 Op.F_LAST: functools.partial(fwd, last=True),
                  Op.B: functools.partial(bwd, need_dx=True, need_dw=False),
                  Op.B_FIRST: functools.partial(bwd, need_dx=True, need_dw=False, first=True),
                  Op.W: functools.partial(bwd, need_dx=False, need_dw=True),
@@ -430,8 +443,15 @@ class _Ticks:
         stores_cots = jnp.asarray(np.isin(np.array(prog.branches), (Op.B, Op.B_FIRST)))
         patterns = [(prog.send_patterns("up", k)[1], prog.send_patterns("down", k)[1]) for k in (0, 1)]
         combos = prog.pair_branches()[1]
+        # A forward beside a fused backward runs as one scan over the layers when the chunks are layers
+        # with stored residuals and of equal counts (an even layout); otherwise one after the other.
+        fused = self.stage.can_overlap() and self.active is None
+        w = self.versions[-1]
 
         def both(a, b):
+            pair = (prog.branches[a], prog.branches[b])
+            if fused and pair in self.fwd_bwd:
+                return lambda slots, cots, inbox, ins0, ins1: self.fwd_bwd[pair](w, slots, cots, inbox, ins0, ins1)
             return lambda slots, cots, inbox, ins0, ins1: (branches[a](slots, cots, inbox, ins0),
                                                            branches[b](slots, cots, inbox, ins1))
         combo_fns = [both(a, b) for a, b in combos]

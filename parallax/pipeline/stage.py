@@ -153,18 +153,51 @@ class Stage:
     def total(self, terms):
         return None if terms is None else jnp.sum(terms) if self.layered else terms
 
+    def layer_residuals(self, wl, h, mb):
+        """One layer's forward with its vjp -> (y, (its residual leaves, aux term, stats))."""
+        y, pb, term, stats = self.vjp_layer(wl, h, mb)
+        leaves, refs = jax.tree.leaves(pb), {"w": jax.tree.leaves(wl), "mb": jax.tree.leaves(mb)}
+        if len(leaves) != len(self.roles) or any(r in refs and a is not refs[r][i]
+                                                 for (r, i), a in zip(self.roles, leaves)):
+            raise RuntimeError("the stage's pullback changed structure between traces; stage_fn / layer_fn "
+                               "must not branch in Python on the values of its inputs")
+        return y, (tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res"), term, stats)
+
     def forward_residuals(self, w, x, mb, active=None):
         """The chunk's forward with a vjp per layer -> (y, residual leaves stacked over layers, term, stats)."""
         def body(h, wl):
-            y, pb, term, stats = self.vjp_layer(wl, h, mb)
-            leaves, refs = jax.tree.leaves(pb), {"w": jax.tree.leaves(wl), "mb": jax.tree.leaves(mb)}
-            if len(leaves) != len(self.roles) or any(r in refs and a is not refs[r][i]
-                                                     for (r, i), a in zip(self.roles, leaves)):
-                raise RuntimeError("the stage's pullback changed structure between traces; stage_fn / layer_fn "
-                                   "must not branch in Python on the values of its inputs")
-            return y, (tuple(a for (r, _), a in zip(self.roles, leaves) if r == "res"), term, stats)
+            return self.layer_residuals(wl, h, mb)
         y, (res, terms, stats) = self.over_layers(body, x, w, active=active)
         return y, res, self.total(terms), stats
+
+    def can_overlap(self) -> bool:
+        """Whether `forward_backward` applies: a chunk of layers (`layer_fn`) whose forward stores residuals."""
+        return self.layered and not self.remat and not self.forward_only
+
+    def forward_backward(self, wf, x, mbf, wb, slot, mbb, slots, dy):
+        """The forward of one chunk (weights wf, input x, microbatch mbf) and the fused backward of another
+        (wb, its residuals in `slots[slot]`, microbatch mbb, output cotangent dy) in **one** scan over the
+        layers: step i runs forward layer i and backward layer L-1-i. The two share no data, so within one
+        loop body the compiler may run one's collectives (a MoE layer's all-to-alls) while the other
+        computes (DualPipe's overlapped F & B). The forward's ops are named `pair_forward`, the backward's
+        `pair_backward` (`jax.named_scope`: the compiled program's op names tell them apart). Chunks of equal
+        layer counts (an even layout). -> ((y, residuals, term, stats) as `forward`, (dx, dW) as `backward`)."""
+        res_b = tuple(s[slot] for s in slots)
+        n = self.num_layers
+        dw0 = jax.tree.map(lambda a: zeros(jax.ShapeDtypeStruct(a.shape, a.dtype), axes=vma(a)), wb)
+
+        def body(carry, i):
+            h, d, dw = carry
+            with jax.named_scope("pair_forward"):
+                y, out = self.layer_residuals(self.layer(wf, i), h, mbf)
+            with jax.named_scope("pair_backward"):
+                j = n - 1 - i
+                dwl, dx = self.pullback(self.layer(wb, j), tuple(r[j] for r in res_b), mbb)(self.seed(d))
+                dw = jax.tree.map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, cast(g, tuple(vma(a))), j, 0),
+                                  dw, dwl)
+            return (y, dx, dw), out
+        (y, dx, dw), (res, terms, stats) = jax.lax.scan(body, (x, dy, dw0), jnp.arange(n))
+        return (y, res, self.total(terms), stats), (dx, dw)
 
     def pullback_leaves(self, wl, res, mb):
         """One layer's pullback leaves from its weights wl and residual leaves res."""
