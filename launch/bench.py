@@ -8,6 +8,8 @@
     python launch/bench.py --part=generate --cpu_devices=1             # decode tokens/s, KV cache vs none
     python launch/bench.py --part=balance --cpu_devices=1              # pipeline layouts of Llama 3 8B: per-rank work
     python launch/bench.py --part=diloco --cpu_devices=4 --steps=800   # DiLoCo vs data parallel: eval loss
+    python launch/bench.py --part=overlap --topology=v5p:2x2x1          # dualpipev's overlapped all-to-alls
+                                                                       # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
 the memory figures are XLA's own (`compiled.memory_analysis()`, per device); the Muon figures are XLA's
@@ -23,7 +25,7 @@ from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
-                                  "diloco"],
+                                  "diloco", "overlap"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
@@ -32,6 +34,7 @@ flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "z
                   "--part=pipeline: the schedules to measure.")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: "
                      "training steps.")
+flags.DEFINE_string("topology", "v5p:2x2x1", "--part=overlap: the TPU slice to compile for (libtpu, ahead of time).")
 FLAGS = flags.FLAGS
 
 
@@ -514,11 +517,59 @@ def bench_diloco(steps: int):
               f"{time.perf_counter() - start:.0f} s |", flush=True)
 
 
+# The TPU compiler turns all-to-alls into async start / done pairs only with this flag (MaxText sets it for MoE).
+ASYNC_ALL_TO_ALL = "--xla_tpu_enable_async_all_to_all=true"
+
+
+def bench_overlap(topology: str):
+    """A MoE model at expert 2 x pipe 2 compiled by the TPU compiler (libtpu, ahead of time) under zbv and
+    dualpipev: the async all-to-alls of the scheduled program and what runs between each start and done
+    (`parallax.hlo.collective_windows`): in dualpipev's paired branches, the compute of the other microbatch."""
+
+    from parallax import hlo
+    from parallax.defaults import load_config_file
+    from parallax.memory import compile_step, tpu_devices
+
+    devices = tpu_devices(topology)
+    print(f"{len(devices)} x {devices[0].device_kind} ({topology}), LIBTPU_INIT_ARGS="
+          f"{os.environ.get('LIBTPU_INIT_ARGS', '')!r}\n")
+    print("| schedule | async all-to-alls | with compute inside | of the forward beside a backward: enclosing "
+          "the other microbatch's compute (ops) | of the backward beside a forward: idem | peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for schedule in ("zbv", "dualpipev"):
+        config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                               "moe_tiny.py"))
+        config.mesh.update(pipe=2, expert=2)
+        config.pipeline.update(schedule=schedule, virtual_stages=2, microbatches=4)
+        config.model.update(num_layers=4, d_model=1024, num_heads=8, num_kv_heads=8, vocab_size=32000,
+                            attention_block=512, loss_chunk=512)
+        config.model.moe.d_ff_expert = 2048
+        config.train.update(seq_len=2048, global_batch_size=8)
+        _, compiled = compile_step(config, devices)
+        windows = hlo.collective_windows(compiled.as_text())
+        m = compiled.memory_analysis()
+        peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+        def lane(k):
+            mine = [w for w in windows if w["lane"] == k]
+            return f"{sum(w['other'] > 0 for w in mine)} of {len(mine)} ({sum(w['other'] for w in mine)})"
+        print(f"| {schedule} | {len(windows)} | {sum(w['compute'] > 0 for w in windows)} | {lane(0)} | {lane(1)} | "
+              f"{peak / 2**30:.2f} |")
+
+
 def main(_):
     if FLAGS.part == "device" and not FLAGS.cpu_devices:  # the overlap flags a training run would set
         from parallax.mesh import apply_platform_flags, detect_platform
 
         print("platform flags:", apply_platform_flags(detect_platform()))
+    if FLAGS.part == "overlap":  # the TPU compiler's flags, set before libtpu starts
+        from parallax.mesh import apply_platform_flags
+
+        os.environ["LIBTPU_INIT_ARGS"] = " ".join([os.environ.get("LIBTPU_INIT_ARGS", ""), ASYNC_ALL_TO_ALL]).strip()
+        apply_platform_flags("tpu", generation=FLAGS.topology.split(":")[0])
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        bench_overlap(FLAGS.topology)
+        return
     if FLAGS.part == "data":  # no jax: the data pipeline alone
         bench_data(FLAGS.data_gb, FLAGS.data_dir)
         return

@@ -58,16 +58,20 @@ _WHILE_BODY = re.compile(r"\swhile\(.*body=%([^\s,)}]+)")
 
 
 def _computations(text: str) -> dict[str, list[str]]:
-    """{computation name: its instruction lines}."""
+    """{computation name: its instructions, one string each}. An instruction printed over several lines (a
+    kernel's backend config: lines that do not start a new `%name = ...` or `ROOT`) is joined into one."""
     comps, current = {}, None
     for line in text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
             current = comps.setdefault(header["name"], [])
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":
             current = None
         elif current is not None:
-            current.append(line)
+            if current and not re.match(r"\s*(?:ROOT\s+)?%", line):
+                current[-1] += "\n" + line
+            else:
+                current.append(line)
     return comps
 
 
@@ -168,4 +172,41 @@ def collective_traffic(compiled_or_hlo_text, num_devices: int) -> list[dict]:
         sent = {"all-reduce": 2 * (g - 1) / g * size, "all-gather": (g - 1) / g * size,
                 "all-to-all": (g - 1) / g * size, "reduce-scatter": (g - 1) * size}.get(op, size)
         found.append({"op": op, "arrays": arrays, "groups": groups, "sent": sent if g > 1 else 0.0})
+    return found
+
+
+_ASYNC_START = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=.*?\s(?:async-start|(?P<op>[a-z-]+)-start)\(")
+_ASYNC_DONE = re.compile(r"\s(?:async-done|[a-z-]+-done)\(%(?P<start>[^\s,)]+)")
+_COMPUTE = re.compile(r"=\s*.*?\s(?:fusion|convolution|dot|custom-call)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def collective_windows(compiled_or_hlo_text, op: str = "all-to-all", lanes=("pair_forward", "pair_backward")):
+    """The async `op` collectives of a scheduled program (each start / done pair, e.g. TPU's `async-start`
+    named `%all-to-all-start`), with what runs between their start and their done: one dict per collective,
+    {"computation", "lane": the index in `lanes` of the named scope (`jax.named_scope`) its op name carries,
+    or None, "compute": compute instructions (fusions, convolutions, dots, custom calls) in the window,
+    "other": those whose op name carries another of `lanes`}. `collective_windows(...)` of the executor's
+    paired ticks (`Stage.forward_backward`) counts the all-to-alls of one microbatch that overlap the other
+    microbatch's compute. A synchronous collective has no window and is not listed."""
+    def lane_of(line):
+        name = _OP_NAME.search(line)
+        return next((k for k, scope in enumerate(lanes) if name and f"/{scope}/" in name.group(1) + "/"), None)
+    found = []
+    for comp, lines in _computations(_text(compiled_or_hlo_text)).items():
+        open_ = {}  # start name -> record
+        for line in lines:
+            done = _ASYNC_DONE.search(line)
+            if done and done["start"] in open_:
+                found.append(open_.pop(done["start"]))
+                continue
+            start = _ASYNC_START.match(line.split("\n")[0])
+            if start and (start["op"] == op or (start["op"] is None and start["name"].startswith(op + "-start"))):
+                open_[start["name"]] = {"computation": comp, "lane": lane_of(line), "compute": 0, "other": 0}
+                continue
+            if _COMPUTE.search(line):
+                lane = lane_of(line)
+                for record in open_.values():
+                    record["compute"] += 1
+                    record["other"] += lane is not None and record["lane"] is not None and lane != record["lane"]
     return found

@@ -106,8 +106,10 @@ def _bytes_on_device(tree, shardings) -> int:
                for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
 
-def memory_report(config, devices=None) -> MemoryReport:
-    """Compiles the train step of `config` for `devices` (default: all) and measures it; nothing is allocated."""
+def compile_step(config, devices=None):
+    """(trainer, compiled): the train step of `config` compiled for `devices` (default: all), nothing
+    allocated. Of the programs the training loop runs (one per kind of step, e.g. DiLoCo's sync and
+    non-sync steps), the one with the highest peak memory."""
     devices = list(jax.devices() if devices is None else devices)
     trainer = Trainer(make_plan(config, len(devices), devices[0].platform), devices=devices)
     state = trainer.abstract_state()
@@ -120,10 +122,16 @@ def memory_report(config, devices=None) -> MemoryReport:
     def peak(compiled):
         m = compiled.memory_analysis()
         return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    # The programs the training loop runs (one per kind of step, e.g. DiLoCo's sync and non-sync steps):
-    # the report is the one with the highest peak.
-    compiled = max((trainer.step_program(kind).lower(state, batch).compile(compiler_options=options)
-                    for kind in trainer.path.step_kinds()), key=peak)
+    return trainer, max((trainer.step_program(kind).lower(state, batch).compile(compiler_options=options)
+                         for kind in trainer.path.step_kinds()), key=peak)
+
+
+def memory_report(config, devices=None) -> MemoryReport:
+    """Compiles the train step of `config` for `devices` (default: all) and measures it; nothing is allocated."""
+    trainer, compiled = compile_step(config, devices)
+    state = trainer.abstract_state()
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
+             for k, a in abstract_batch(config).items()}
     memory = compiled.memory_analysis()
     kernel_calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
     params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)

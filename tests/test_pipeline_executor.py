@@ -570,3 +570,33 @@ def test_steady_step_finishes_each_batch_with_the_weights_its_forwards_used(p, r
         assert rel_err(pending[1]["first"]["emb"], ref_grads["first"]["emb"]) > 1e-2
         assert float(jnp.abs(done[1]["first"]["emb"]).sum()) > 0
         pending = new
+
+
+_SCHEDULED = '''
+%body (p: f32[8]) -> f32[8] {
+  %p = f32[8] parameter(0)
+  %all-to-all-start = ((f32[8]), f32[8], u32[], u32[]) async-start(%p), calls=%wrapped, metadata={op_name="jit(f)/pair_forward/all_to_all"}
+  %fusion.1 = f32[8] fusion(%p), kind=kLoop, calls=%f1, metadata={op_name="jit(f)/pair_backward/transpose(jvp())/mul"}
+  %kernel = f32[8] custom-call(%p), custom_call_target="tpu_custom_call", backend_config={"k":
+}}, metadata={op_name="jit(f)/pair_backward/splash"}
+  %fusion.2 = f32[8] fusion(%p), kind=kLoop, calls=%f2, metadata={op_name="jit(f)/pair_forward/jvp()/add"}
+  %all-to-all-done = f32[8] async-done(%all-to-all-start), metadata={op_name="jit(f)/pair_forward/all_to_all"}
+  %all-to-all-start.1 = ((f32[8]), f32[8], u32[], u32[]) async-start(%fusion.1), calls=%wrapped.1, metadata={op_name="jit(f)/pair_backward/all_to_all"}
+  %all-to-all-done.1 = f32[8] async-done(%all-to-all-start.1), metadata={op_name="jit(f)/pair_backward/all_to_all"}
+  %all-gather-start = (f32[8], f32[16]) all-gather-start(%p), dimensions={0}
+  %fusion.3 = f32[8] fusion(%p), kind=kLoop, calls=%f3
+  %all-gather-done = f32[16] all-gather-done(%all-gather-start)
+  ROOT %out = f32[8] add(%all-to-all-done, %all-to-all-done.1)
+}
+'''
+
+
+def test_collective_windows_count_the_other_lanes_compute_between_start_and_done():
+    """`hlo.collective_windows` on a scheduled body: the forward's all-to-all encloses two fusions and a kernel
+    printed over two lines (its op name on the second), two of them the backward's; the backward's encloses
+    nothing; the all-gather is another op."""
+    from parallax import hlo
+    assert hlo.collective_windows(_SCHEDULED) == [
+        {"computation": "body", "lane": 0, "compute": 3, "other": 2},
+        {"computation": "body", "lane": 1, "compute": 0, "other": 0}]
+    assert [w["compute"] for w in hlo.collective_windows(_SCHEDULED, op="all-gather")] == [1]

@@ -551,3 +551,18 @@ def test_the_vocabulary_parallel_head_pass_is_priced_on_every_rank():
     assert spread.total_time < 0.75 * plain.total_time, (spread.total_time, plain.total_time)
     with pytest.raises(ValueError, match="lockstep mode only"):
         simulate(sched, flop_costs(sched, 32, 1.0, 0.0, 2.4, vocab_parallel=True), mode="async")
+
+
+def test_dualpipev_bubble_is_the_dualpipe_papers_and_it_holds_one_chunk_more_than_zbv():
+    """DeepSeek's table (PP = 2p stages): bubble (PP/2 - 1)(F&B + B - 3W) per rank, F&B the overlapped pair
+    and B a full backward; at unit F, B, W without overlap (F&B = F + BW = 3, B = 2, W = 1): 2(p - 1), as
+    the async makespan less each rank's work. Activations PP + 1 = 2p + 1 chunk slots (zbv: 2p). A pair
+    priced below its parts (FB=2) shortens the step."""
+    for p in (2, 3, 4, 8):
+        for m in (2 * p, 3 * p + 1):
+            s = make_schedule("dualpipev", p, m, 2)
+            assert s.paired
+            sim = simulate(s, mode="async")
+            assert sim.total_time - sim.busy_time / p == pytest.approx((p - 1) * (3 + 2 - 3)), (p, m)
+            assert sim.peak_slots == 2 * p + 1 == simulate(make_schedule("zbv", p, m, 2)).peak_slots + 1
+            assert simulate(s, {"FB": 2.0}, mode="async").total_time < sim.total_time
