@@ -433,11 +433,13 @@ class _Ticks:
         return step
 
     def paired_tick(self, prog: Program):
-        """One scan step of a program with paired actions (`Program.pair_code`, dualpipev): every rank
-        switches once, on the pair of its two instructions, and the branch of a pair runs both actions: no
-        data passes between them, so within that one computation the compiler may run one's collectives
-        while the other computes. Then each lane's results are written as `tick` writes one action's, and
-        each lane's messages move by its own permutes."""
+        """One scan step of a program with paired actions (`Program.pair_code`, dualpipev): lane 0 holds the
+        forwards, lane 1 the backwards. Every rank switches once, on the pair of its two instructions, and
+        the branch of a pair runs both actions: no data passes between them, so within that one
+        computation the compiler may run one's collectives while the other computes. The branch returns
+        one of each result (the forward's activation and loss, the backward's cotangents and weight
+        gradients), so the carry is written once per tick, as `tick` does; each lane's message moves by its
+        own permutes."""
         branches, rank = self.branches(prog), jax.lax.axis_index("pipe")
         stores = jnp.asarray(np.isin(np.array(prog.branches), (Op.F, Op.F_FIRST, Op.F_LAST)))
         stores_cots = jnp.asarray(np.isin(np.array(prog.branches), (Op.B, Op.B_FIRST)))
@@ -450,36 +452,42 @@ class _Ticks:
 
         def both(a, b):
             pair = (prog.branches[a], prog.branches[b])
-            if fused and pair in self.fwd_bwd:
-                return lambda slots, cots, inbox, ins0, ins1: self.fwd_bwd[pair](w, slots, cots, inbox, ins0, ins1)
-            return lambda slots, cots, inbox, ins0, ins1: (branches[a](slots, cots, inbox, ins0),
-                                                           branches[b](slots, cots, inbox, ins1))
+
+            def run(slots, cots, inbox, ins0, ins1):
+                if fused and pair in self.fwd_bwd:
+                    out0, out1 = self.fwd_bwd[pair](w, slots, cots, inbox, ins0, ins1)
+                else:
+                    out0, out1 = branches[a](slots, cots, inbox, ins0), branches[b](slots, cots, inbox, ins1)
+                (msg0, res, _, g0, loss0, stats0), (msg1, _, cot, g1, loss1, stats1) = out0, out1
+                grads = (g1[0], g1[1], g0[2]) if g1 else ()  # dW and d first from the backward, d last: F_LAST
+                return (msg0, msg1), res, cot, grads, loss0 + loss1, (stats0, stats1)
+            return run
         combo_fns = [both(a, b) for a, b in combos]
 
         def step(carry, xs):  # code_t / pair_t: [p, fields] of each lane; combo_t [p]; send_t [lane, up / down]
             code_t, pair_t, combo_t, send_t = xs
             slots, cots, inbox, grads, loss, stats = carry
-            lanes = (code_t[rank], pair_t[rank])
-            outs = jax.lax.switch(combo_t[rank], combo_fns, slots, cots, inbox, *lanes)
-            for ins, (msg, res, cot, dgrads, dloss, dstats) in zip(lanes, outs):
-                stats = _add_chunk(stats, ins[Field.CHUNK], dstats)
-                slots = tuple(_write(buf, jnp.where(stores[ins[Field.BRANCH]], ins[Field.SLOT], -1), r)
-                              for buf, r in zip(slots, res))
-                cots = tuple(_write(buf, jnp.where(stores_cots[ins[Field.BRANCH]], ins[Field.SLOT], -1), c)
-                             for buf, c in zip(cots, cot))
-                if grads:
-                    (gw, gf, gl), (dw, df, dl) = grads, dgrads
-                    grads = (_add_chunk(gw, ins[Field.CHUNK], dw), jax.tree.map(jnp.add, gf, df),
-                             jax.tree.map(jnp.add, gl, dl))
-                loss = loss + dloss
+            ins0, ins1 = code_t[rank], pair_t[rank]
+            msgs, res, cot, dgrads, dloss, dstats = jax.lax.switch(combo_t[rank], combo_fns, slots, cots, inbox,
+                                                                   ins0, ins1)
+            stats = _add_chunk(_add_chunk(stats, ins0[Field.CHUNK], dstats[0]), ins1[Field.CHUNK], dstats[1])
+            slots = tuple(_write(buf, jnp.where(stores[ins0[Field.BRANCH]], ins0[Field.SLOT], -1), r)
+                          for buf, r in zip(slots, res))
+            cots = tuple(_write(buf, jnp.where(stores_cots[ins1[Field.BRANCH]], ins1[Field.SLOT], -1), c)
+                         for buf, c in zip(cots, cot))
+            if grads:
+                (gw, gf, gl), (dw, df, dl) = grads, dgrads
+                grads = (_add_chunk(gw, ins1[Field.CHUNK], dw), jax.tree.map(jnp.add, gf, df),
+                         jax.tree.map(jnp.add, gl, dl))
+            for ins, msg in zip((ins0, ins1), msgs):
                 inbox = _write(inbox, ins[Field.LOCAL], msg)
-            for k, (ins, out) in enumerate(zip(lanes, outs)):
+            for k, (ins, msg) in enumerate(zip((ins0, ins1), msgs)):
                 up, down = patterns[k]
                 if up:
-                    inbox = _write(inbox, ins[Field.FROM_UP], _send(send_t[k, 0], out[0], up))
+                    inbox = _write(inbox, ins[Field.FROM_UP], _send(send_t[k, 0], msg, up))
                 if down:
-                    inbox = _write(inbox, ins[Field.FROM_DOWN], _send(send_t[k, 1], out[0], down))
-            return (slots, cots, inbox, grads, loss, stats), None
+                    inbox = _write(inbox, ins[Field.FROM_DOWN], _send(send_t[k, 1], msg, down))
+            return (slots, cots, inbox, grads, loss + dloss, stats), None
         return step
 
     @staticmethod

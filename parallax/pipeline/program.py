@@ -61,10 +61,10 @@ class Program:
     steady: the program of a steady schedule (2bw): `code[..., Field.MB]` indexes 2m microbatches (the
       previous step's, then the current step's), and the slots and the inbox are carried from one step's
       program to the next (a message or an activation may outlive the window).
-    pair_code: None, or the instructions of each tick's second action (a schedule's `pair`, dualpipev), like
-      `code`: both run in one switch branch, so that neither waits for the other's communication; each
-      lane's messages move by their own permutes, and `FROM_UP` / `FROM_DOWN` of a lane place the messages
-      the neighbours' same lane sent.
+    pair_code: None, or a paired schedule's (dualpipev) backward actions, like `code`, which then holds its
+      forward actions alone (`_forward_and_backward_lanes`): a tick's two run in one switch branch, so that
+      neither waits for the other's communication; each lane's messages move by their own permutes, and
+      `FROM_UP` / `FROM_DOWN` of a lane place the messages the neighbours' same lane sent.
     """
     code: np.ndarray
     branches: tuple[int, ...]
@@ -130,7 +130,7 @@ def compile_schedule(schedule: Schedule, forward_only: bool = False, serialize: 
     if forward_only:
         table = np.where(table[..., :1] == F, table, np.array([IDLE, -1, -1, -1], table.dtype))
         table = table[(table[..., 0] != IDLE).any(axis=1)]
-    lanes = [table] if s.pair is None else [table, s.pair]
+    lanes = [table] if s.pair is None else _forward_and_backward_lanes(s)
     msgs = _messages(s, lanes, forward_only)
     entry, inbox_size = _inbox_entries(msgs, s.num_ranks)
     codes, up, down = zip(*(_instructions(s, lane, msgs, entry, forward_only) for lane in lanes))
@@ -139,6 +139,22 @@ def compile_schedule(schedule: Schedule, forward_only: bool = False, serialize: 
         code[..., Field.BRANCH] = np.searchsorted(np.array(branches), code[..., Field.BRANCH])
     return Program(codes[0], branches, inbox_size, s.num_slots, tuple(sorted(set().union(*up))),
                    tuple(sorted(set().union(*down))), pair_code=codes[1] if len(codes) > 1 else None)
+
+
+def _forward_and_backward_lanes(s: Schedule):
+    """A paired schedule's actions as two tables: every F in the first, every B / W / BW in the second (the
+    executor's paired branch returns the forward's activation and the backward's cotangents and weight
+    gradients, one of each). Raises ValueError where a tick pairs two of a kind."""
+    idle = np.array([IDLE, -1, -1, -1], s.table.dtype)
+    fwd = [np.where(lane[..., :1] == F, lane, idle) for lane in (s.table, s.pair)]
+    bwd = [np.where((lane[..., :1] != F) & (lane[..., :1] != IDLE), lane, idle) for lane in (s.table, s.pair)]
+    for kind, (a, b) in (("forwards", fwd), ("backwards", bwd)):
+        clash = (a[..., 0] != IDLE) & (b[..., 0] != IDLE)
+        if clash.any():
+            t, r = (int(x) for x in np.argwhere(clash)[0])
+            raise ValueError(f"{s.name}: tick {t} rank {r} pairs two {kind}; the executor pairs a forward with a "
+                             f"backward (B, W or BW)")
+    return [np.where(fwd[0][..., :1] != IDLE, fwd[0], fwd[1]), np.where(bwd[0][..., :1] != IDLE, bwd[0], bwd[1])]
 
 
 def _messages(s: Schedule, lanes, forward_only):
