@@ -30,7 +30,7 @@ flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", 
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
-flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "v_half", "v_min", "2bw"],
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "v_half", "v_min", "dualpipev", "2bw"],
                   "--part=pipeline: the schedules to measure.")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: "
                      "training steps.")
@@ -108,7 +108,7 @@ def bench_pipeline(steps, schedules):
             config = _config(data=2, pipe=4)
             config.train.global_batch_size = 2 * m * 2
             config.pipeline.update(schedule=schedule, microbatches=m,
-                                   virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv", "v_half", "v_min") else 1)
+                                   virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv", "v_half", "v_min", "dualpipev") else 1)
             trainer = Trainer(config, devices=jax.devices()[:8])
             dataset = make_dataset(config)
             state = trainer.init_state()
