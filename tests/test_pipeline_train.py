@@ -108,8 +108,10 @@ def reference7():
     return loss_grads_and_steps(config, jax.devices()[:1], steps=5)
 
 
-# Uneven layouts of 7 layers: explicit on 2 stages, `auto` on 4 (1F1B) and on zbv's 4 stages of 2 ranks.
-UNEVEN_CASES = [("1f1b", 2, "3,4"), ("1f1b", 4, "auto"), ("zbv", 2, "1,3,2,1")]
+# Uneven layouts of 7 layers: explicit on 2 stages, `auto` on 4 (1F1B) and on the 4 stages of 2 ranks of zbv and
+# dualpipev.
+UNEVEN_CASES = [("1f1b", 2, "3,4"), ("1f1b", 4, "auto"), ("zbv", 2, "1,3,2,1"),
+                ("dualpipev", 2, "1,3,2,1")]  # its pairs run one after the other in one branch (unequal chunks)
 
 
 @pytest.mark.slow
