@@ -36,8 +36,10 @@ after the token embedding: they are part of the embedding in the contract's term
 run on the first stage (their `layers` dim is split over `pipe` when stored: `first_dense` must divide by
 mesh.pipe). `config.model.num_layers` counts the MoE layers only.
 
-Expert parallelism, capacity and dropless dispatch: `parallax.parallel.expert`. Restriction: no
-sequence parallelism (a routing group is a whole row).
+Expert parallelism, capacity and dropless dispatch: `parallax.parallel.expert`. Sequence parallelism
+(`mesh.seq`, any `model.attention` that runs there): each rank routes its own tokens; a routing group is
+still the whole row, so capacity drops (`ep_lib.seq_offsets`) and the balance loss (`aux`) see the row
+through small [B, E] collectives over `seq`, and every mesh drops and balances as one device does.
 
 Generating (`par.decoding`), every token is routed, dropless, whatever `moe.dispatch`: with capacity, a
 row's drops depend on the tokens sharing its group (a prompt's padding, the window a sampler recomputes),
@@ -252,7 +254,7 @@ class MoEBlocks(llama.Blocks):
         if moe.shared_experts:
             y = y + self.mlp(h, par)
         x = llama.constrain(x + par.scatter_seq(y), ("batch", "length", "act_embed"))
-        return x, self.aux(batch, logits, probs, keep, load)
+        return x, self.aux(batch, logits, probs, keep, load, par)
 
     def route(self, h, par):
         """h [B, T, D] -> (expert indices [B, T, k], gates [B, T, k] fp32, probabilities for the balance
@@ -282,6 +284,11 @@ class MoEBlocks(llama.Blocks):
         # routing too (its kept assignments only: `ep_lib.moe_ragged`'s `cap`; dense slots only where they
         # travel as fixed-size all-to-alls).
         dropless = moe.dispatch == "ragged" or (par.decoding and par.expert == 1)
+        row = h.shape[1] * par.seq  # a routing group is a whole row, split over `seq` in the region
+        cap = ep_lib.capacity(row, moe.top_k, moe.num_experts, moe.capacity_factor)
+        cap = None if dropless or cap >= row else cap  # T slots: nothing can drop
+        # A row split over `seq`: the row positions of this rank's assignments, so drops match one device.
+        offset = ep_lib.seq_offsets(idx, moe.num_experts, par.seq, par.zigzag) if cap and par.seq > 1 else None
         if dropless or par.expert == 1:
             impl = ep_lib.grouped_impl(moe.grouped_impl, par.platform)
             log_once(f"grouped matmuls: {impl} (moe.grouped_impl={moe.grouped_impl}), "
@@ -296,9 +303,9 @@ class MoEBlocks(llama.Blocks):
                 return ep_lib.moe_ragged_ep(h, idx, gates, moe.num_experts, grouped_with(_whole, (wg, wu, wd)),
                                             par.expert, buffer=float(moe.ep_buffer))
             names = [p.logical[1:] for p in (self.we_gate, self.we_up, self.we_down)]  # one layer's
-            cap = None if dropless else ep_lib.capacity(h.shape[1], moe.top_k, moe.num_experts,
-                                                         moe.capacity_factor)
-            cap = None if cap is not None and cap >= h.shape[1] else cap  # T slots: nothing can drop
+            if offset is not None:  # inside the manual region: no per-shard split to make
+                return ep_lib.moe_ragged(h, idx, gates, moe.num_experts, grouped_with(_whole, (wg, wu, wd)), cap,
+                                         offset)
             return _per_batch_shard(lambda gather, h, idx, gates, *ws: ep_lib.moe_ragged(
                 h, idx, gates, moe.num_experts, grouped_with(gather, ws, full=cap is None), cap), h, idx, gates,
                 (wg, wu, wd), names)
@@ -306,16 +313,23 @@ class MoEBlocks(llama.Blocks):
         def experts(xe):  # (E/ep, G, C, D)
             act = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, wg)) * jnp.einsum("egcd,edf->egcf", xe, wu)
             return jnp.einsum("egcf,efd->egcd", act, wd)
-        cap = ep_lib.capacity(h.shape[1], moe.top_k, moe.num_experts, moe.capacity_factor)
-        return ep_lib.moe_capacity(h, idx, gates, moe.num_experts, cap, experts, par.expert, moe.dispatch_chunks)
+        cap = row if cap is None else cap
+        return ep_lib.moe_capacity(h, idx, gates, moe.num_experts, cap, experts, par.expert, moe.dispatch_chunks,
+                                   offset)
 
-    def aux(self, batch, logits, probs, keep, load):
-        """This rank's aux sums (see the module docstring); the loss entries are weighted by token weights."""
+    def aux(self, batch, logits, probs, keep, load, par: Parallelism = DENSE):
+        """This rank's aux sums (see the module docstring); the loss entries are weighted by token weights.
+        A row split over `seq`: its balance term takes the whole row's load and mean probabilities (a psum
+        over `seq` of [B, E] sums), weighted by this rank's share of the row's weights, so the sum over the
+        seq ranks is the row's term."""
         moe = self.moe
-        weights = batch["weights"].astype(jnp.float32)  # (B, T)
-        t, k = logits.shape[1], moe.top_k
-        f = load.astype(jnp.float32) / (t * k)  # (B, E) fraction of each row's assignments
-        balance_row = moe.num_experts * jnp.sum(f * jnp.mean(probs, axis=1), axis=-1)  # (B,)
+        weights = batch["weights"].astype(jnp.float32)  # (B, T/s)
+        t, k = logits.shape[1] * par.seq, moe.top_k
+        row_load, row_probs = load.astype(jnp.float32), jnp.sum(probs, axis=1)  # (B, E) each
+        if par.seq > 1:
+            row_load, row_probs = jax.lax.psum((row_load, row_probs), "seq")
+        f = row_load / (t * k)  # (B, E) fraction of each row's assignments
+        balance_row = moe.num_experts * jnp.sum(f * row_probs / t, axis=-1)  # (B,)
         balance = jnp.sum(balance_row * jnp.sum(weights, axis=1))
         z = jnp.sum(weights * jax.nn.logsumexp(logits, axis=-1) ** 2)
         stop = jax.lax.stop_gradient
@@ -328,7 +342,7 @@ class MoEBlocks(llama.Blocks):
 class MoE(Model):
     """Decoder-only MoE LM: Llama's embedding, head and attention; `MoEBlocks` as the stack."""
 
-    parallel_axes = ("tensor", "expert")
+    parallel_axes = ("tensor", "seq", "expert")
     rules = {"router": None}  # the router's expert dim: every rank scores every expert
 
     @staticmethod

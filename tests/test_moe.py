@@ -80,11 +80,12 @@ def test_zero3_over_expert_ranks_matches_single_device(reference):
     assert_parity(loss_grads_and_steps(config, jax.devices()), reference, TOL)
 
 
-def _pipelined_moe_config(schedule="1f1b", **mesh):
+def _pipelined_moe_config(schedule="1f1b", attention="dense", **mesh):
     """4 MoE layers with the aux losses and aux-loss-free balancing on, so every aux path is exercised."""
     c = moe_config(**mesh)
     c.model.num_layers = 4
     c.model.moe.bias_rate = 0.01
+    c.model.attention = attention
     c.pipeline.schedule = schedule
     return c
 
@@ -117,7 +118,9 @@ def pipelined_reference():
     ("1f1b", dict(pipe=2, expert=2, tensor=2)),
     ("zbv", dict(pipe=2, expert=2, fsdp=2)),  # V-shaped, B and W apart: the aux loss's gradient in both
     ("dualpipev", dict(pipe=2, expert=2, tensor=2)),  # a forward and another microbatch's backward in one branch
-], ids=["1f1b-pipe=2,expert=2,tensor=2", "zbv-pipe=2,expert=2,fsdp=2", "dualpipev-pipe=2,expert=2,tensor=2"])
+    ("1f1b", dict(pipe=2, expert=2, seq=2, attention="ulysses")),  # rows split over seq inside the stages
+], ids=["1f1b-pipe=2,expert=2,tensor=2", "zbv-pipe=2,expert=2,fsdp=2", "dualpipev-pipe=2,expert=2,tensor=2",
+        "1f1b-pipe=2,expert=2,seq=2-ulysses"])
 def test_expert_parallel_inside_pipeline_stages_matches_single_device(pipelined_reference, schedule, mesh):
     """EP inside the stages: the layers' all-to-alls run in the executor's switch branches. The aux losses
     enter the loss in each chunk's forward, their stats come back per stage: the loss, every gradient, the
@@ -184,11 +187,15 @@ def test_small_capacity_drops_the_same_tokens_on_1_and_8_devices():
     assert (1 - one[..., 0]).sum() <= (1 - one[..., 1]).sum()
 
 
+@pytest.fixture(scope="module")
+def capacity_reference():
+    return loss_grads_and_steps(moe_config(capacity_factor=0.5), jax.devices()[:1], steps=2)
+
+
 @pytest.mark.slow
-def test_small_capacity_loss_grads_and_steps_match_single_device():
-    ref = loss_grads_and_steps(moe_config(capacity_factor=0.5), jax.devices()[:1], steps=2)
+def test_small_capacity_loss_grads_and_steps_match_single_device(capacity_reference):
     got = loss_grads_and_steps(moe_config(capacity_factor=0.5, expert=8), jax.devices(), steps=2)
-    assert_parity(got, ref, TOL)
+    assert_parity(got, capacity_reference, TOL)
 
 
 # --- dropless ------------------------------------------------------------------------------------------
@@ -553,25 +560,40 @@ def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):
     assert "\n" not in str(info.value)
 
 
-def test_seq_parallel_is_rejected():
-    with pytest.raises(ConfigError, match="does not implement seq parallelism"):
-        config = moe_config(seq=2, data=4)
-        config.model.attention = "ulysses"
-        make_plan(config, 8)
+@pytest.mark.parametrize("attention,mesh", [
+    ("ring", dict(expert=2, seq=2, data=2)),  # zigzag: each rank holds two chunks of a row
+    ("allgather", dict(expert=2, seq=2, tensor=2)),  # zigzag, the rows gathered over tensor
+], ids=["ring-expert=2,seq=2,data=2", "allgather-expert=2,seq=2,tensor=2"])
+def test_sequence_parallel_drops_and_balances_as_one_device(capacity_reference, attention, mesh):
+    """Rows split over `seq` with capacity drops (factor 0.5): each rank routes its own tokens, and the
+    counts of the other ranks' chunks place its assignments in the row, so the same ones drop; the balance
+    loss takes the whole row's load. Loss, every gradient and 2 steps match one device."""
+    config = moe_config(capacity_factor=0.5, **mesh)
+    config.model.attention = attention
+    assert_parity(loss_grads_and_steps(config, jax.devices(), steps=2), capacity_reference, TOL)
 
 
-@pytest.mark.parametrize("mesh,moe", [
-    (dict(data=1, expert=2, tensor=2, fsdp=2), {}),
-    pytest.param(dict(data=1, pipe=2, expert=2, tensor=2), {}, marks=pytest.mark.slow),
-    (dict(data=4, fsdp=2), dict(dispatch="ragged", ff_chunks=2)),
-], ids=["expert=2,tensor=2,fsdp=2", "pipe=2,expert=2,tensor=2", "data=4,fsdp=2-ragged-ff_chunks"])
-def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path, mesh, moe):
-    """EP in bf16, end to end: eval and checkpoint at step 2, a rerun resumes to 4; and dropless dispatch
-    per batch shard with the expert width in slices."""
+def test_sequence_parallel_ulysses_dropless_matches_single_device(reference):
+    config = moe_config(expert=2, seq=2, fsdp=2)
+    config.model.attention = "ulysses"
+    assert_parity(loss_grads_and_steps(config, jax.devices()), reference, TOL)
+
+
+@pytest.mark.parametrize("mesh,moe,model", [
+    (dict(data=1, expert=2, tensor=2, fsdp=2), {}, {}),
+    pytest.param(dict(data=1, pipe=2, expert=2, tensor=2), {}, {}, marks=pytest.mark.slow),
+    (dict(data=4, fsdp=2), dict(dispatch="ragged", ff_chunks=2), {}),
+    (dict(data=2, expert=2, seq=2), dict(capacity_factor=0.5), dict(attention="ring")),
+], ids=["expert=2,tensor=2,fsdp=2", "pipe=2,expert=2,tensor=2", "data=4,fsdp=2-ragged-ff_chunks",
+        "expert=2,seq=2,data=2-ring"])
+def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path, mesh, moe, model):
+    """EP in bf16, end to end: eval and checkpoint at step 2, a rerun resumes to 4; dropless dispatch
+    per batch shard with the expert width in slices; rows split over `seq` with drops."""
     from helpers import bf16_train_eval_resume
     config = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
     config.mesh.update(mesh)
     config.model.moe.update(moe)
+    config.model.update(model)
     bf16_train_eval_resume(config, tmp_path)
 
 

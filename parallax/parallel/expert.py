@@ -6,9 +6,10 @@ each row may send at most C = ceil(capacity_factor * T * k / E) tokens to each e
 capacity_factor 0: C = T, which no row can exceed, since a token picks k distinct experts: dropless).
 Slots are filled choice-major: every token's first choice, in token order, then every second choice, and
 so on (GShard's priority: a top-1 choice is never dropped in favour of another token's top-2). An
-assignment past C is dropped (its gate contributes nothing; the residual stream carries the token). Since
-a row is whole on one rank (batch over data / fsdp / expert; the stream gathered over `tensor`), the same
-assignments are dropped on every mesh.
+assignment past C is dropped (its gate contributes nothing; the residual stream carries the token). A row
+is whole on one rank (batch over data / fsdp / expert; the stream gathered over `tensor`) or split over
+`seq`, where one all-gather of per-chunk counts gives each rank the row positions of its assignments
+(`seq_offsets`): the same assignments are dropped on every mesh.
 
 Shapes: B rows on this rank, T tokens per row, D d_model, E experts, k choices per token, C slots per
 expert and row, ep = mesh.expert, G = ep * B.
@@ -119,18 +120,52 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
     return max(1, min(tokens, math.ceil(factor * tokens * k / num_experts)))
 
 
-def slots(expert_idx, num_experts: int, cap: int):
-    """Each assignment's slot in its row's [E * C] buffer, choice-major. expert_idx [B, T, k] (distinct per
-    token) -> (slot [B, T, k] in [0, E*C), E*C where dropped; keep [B, T, k] bool; load [B, E] assignments
-    per expert before dropping)."""
+def slots(expert_idx, num_experts: int, cap: int, offset=None):
+    """Each assignment's slot in its row's [E * C'] buffer, choice-major, C' = min(C, T) slots per expert.
+    expert_idx [B, T, k] (distinct per token) -> (slot [B, T, k] in [0, E*C'), E*C' where dropped; keep
+    [B, T, k] bool; load [B, E] assignments per expert before dropping).
+
+    `offset` [B, T, k] (rows split over `seq`, `seq_offsets`): the row's assignments to the same expert
+    that precede each one but are held by other ranks. An assignment is kept when its position in the
+    whole row (local position + offset) is under C; the kept ones are a prefix of this rank's assignments
+    to their expert (the row position grows with the local one), so the local position is the slot, and T
+    local tokens fill at most T slots per expert."""
     b, t, k = expert_idx.shape
     order = expert_idx.transpose(0, 2, 1).reshape(b, k * t)  # choice-major: all first choices first
     onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # (B, k*T, E)
     position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # (B, k*T): index within expert
     position = position.reshape(b, k, t).transpose(0, 2, 1)  # (B, T, k)
-    keep = position < cap
-    slot = jnp.where(keep, expert_idx * cap + position, num_experts * cap)
+    keep = (position if offset is None else position + offset) < cap
+    c = min(cap, t)
+    slot = jnp.where(keep, expert_idx * c + position, num_experts * c)
     return slot, keep, jnp.sum(onehot, axis=1)
+
+
+def seq_offsets(expert_idx, num_experts: int, seq: int, zigzag: bool, axis_name: str = "seq"):
+    """Capacity routing with each row split over `seq` ranks (inside the manual region): for each of this
+    rank's assignments expert_idx [B, T/s, k], how many of the row's assignments to the same expert come
+    before it in the choice-major order of `slots` but are held by other ranks ([B, T/s, k] int32).
+
+    The row is 2s chunks in the zigzag layout (rank r holds chunks r and 2s-1-r: `sequence.ring_layout`),
+    else s (rank r holds chunk r). Each rank counts its assignments per chunk, choice and expert; one
+    all-gather over `seq` of those [B, pieces, k, E] counts gives every rank the counts before each of its
+    chunks, so `slots` keeps and drops exactly what it does on one device."""
+    b, t, k = expert_idx.shape
+    pieces = 2 if zigzag else 1
+    onehot = jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.int32)  # (B, T/s, k, E)
+    counts = jnp.sum(onehot.reshape(b, pieces, t // pieces, k, num_experts), axis=2)  # (B, pieces, k, E)
+    every = jax.lax.all_gather(counts, axis_name)  # (s, B, pieces, k, E)
+    chunks = every[:, :, 0] if not zigzag else jnp.concatenate([every[:, :, 0], every[::-1, :, 1]])  # row order
+    before_chunk = jnp.cumsum(chunks, axis=0) - chunks  # (chunks, B, k, E)
+    r = jax.lax.axis_index(axis_name)
+    mine = jnp.stack([r, 2 * seq - 1 - r])[:pieces]
+    before_mine = jnp.moveaxis(before_chunk[mine], 0, 1)  # (B, pieces, k, E): the row's, before my chunks
+    total, local = jnp.sum(chunks, axis=0), jnp.sum(counts, axis=1)  # (B, k, E)
+    before_choice = (jnp.cumsum(total, axis=1) - total) - (jnp.cumsum(local, axis=1) - local)  # (B, k, E)
+    before_piece = jnp.cumsum(counts, axis=1) - counts  # my earlier chunks' (counted in the local position)
+    extra = before_choice[:, None] + before_mine - before_piece  # (B, pieces, k, E)
+    extra = jnp.repeat(extra, t // pieces, axis=1)  # (B, T/s, k, E)
+    return jnp.sum(onehot * extra, axis=-1)
 
 
 def dispatch(h, slot, num_experts: int, cap: int):
@@ -153,14 +188,17 @@ def combine(y, slot, gates):
     return jnp.einsum("btkd,btk->btd", picked, gates.astype(y.dtype))
 
 
-def moe_capacity(h, expert_idx, gates, num_experts: int, cap: int, experts_fn, ep: int = 1, chunks: int = 1):
+def moe_capacity(h, expert_idx, gates, num_experts: int, cap: int, experts_fn, ep: int = 1, chunks: int = 1,
+                 offset=None):
     """The routed experts' output [B, T, D] for tokens h [B, T, D] by capacity dispatch.
 
     `experts_fn(x [E/ep, G, C, D]) -> [E/ep, G, C, D]` applies this rank's experts. With ep > 1 (inside the
     manual region) the slots travel to the experts' ranks and back with one all-to-all each way over
-    `expert`, per chunk of `chunks` row groups (B must divide by it). Returns (output, keep [B, T, k],
+    `expert`, per chunk of `chunks` row groups (B must divide by it). `offset`: rows split over `seq`
+    (`slots`); the buffers then hold min(C, T) slots per expert. Returns (output, keep [B, T, k],
     load [B, E])."""
-    slot, keep, load = slots(expert_idx, num_experts, cap)
+    slot, keep, load = slots(expert_idx, num_experts, cap, offset)
+    cap = min(cap, h.shape[1])
 
     def one(h, slot, gates):
         x = dispatch(h, slot, num_experts, cap)  # (E, B, C, D)
@@ -290,7 +328,7 @@ def _grouped_by_windows(grouped_fn, xs, sizes, windows: int):
     return ys.reshape(m, -1)
 
 
-def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn, cap: int | None = None):
+def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn, cap: int | None = None, offset=None):
     """The routed experts' output [B, T, D] on one expert rank: assignments sorted by expert,
     `grouped_fn(xs [B*T*k, D], group_sizes [E]) -> [B*T*k, D]` runs the experts as grouped matmuls
     (`jax.lax.ragged_dot`). Dropless by default; with `cap` (capacity routing at mesh.expert 1) the
@@ -305,7 +343,7 @@ def moe_ragged(h, expert_idx, gates, num_experts: int, grouped_fn, cap: int | No
         load = jnp.sum(jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.int32), axis=(1, 2))
         key = flat
     else:
-        _, keep, load = slots(expert_idx, num_experts, cap)
+        _, keep, load = slots(expert_idx, num_experts, cap, offset)  # offset: rows split over `seq`
         key = jnp.where(keep.reshape(-1), flat, num_experts)  # dropped: one group past the last expert
     order = jnp.argsort(key, stable=True)  # assignments grouped by expert
     sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
