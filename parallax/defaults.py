@@ -83,6 +83,7 @@ def default_config(model: str) -> ml_collections.ConfigDict:
         muon_exclude="vocab",  # logical names (comma-separated) whose parameters go to AdamW under Muon
         grad_delay=0,  # 0 | 1: apply the previous step's gradient (a one-step delay)
         delay_correction="none",  # none | error_feedback: correct for the gradient delay
+        offload_state=False,  # keep the optimizer state in host memory; the step brings it to the chips to update
     ))
     c.pipeline = ml_collections.ConfigDict(dict(
         schedule="1f1b",  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | v_half | v_min | dualpipev | 2bw (pipe > 1)

@@ -75,6 +75,8 @@ class MemoryReport:
     kernel_calls: int = 0  # custom calls of hand-written kernels in the compiled step (Mosaic tpu_custom_call)
     pipeline_label: str = "2bw in-flight state"  # what `pipeline` counts: the step path's own state (its label)
     ranks: tuple = ()  # pipelined plans: `parallax.paths.pipeline.rank_balance`, one dict per pipeline rank
+    host_temp: int = 0  # XLA: temporaries in host memory (model.remat='offload': the layers' inputs), not in peak
+    host_arguments: int = 0  # XLA: inputs in host memory (optim.offload_state: the optimizer state), not in peak
 
     @property
     def peak(self) -> int:
@@ -93,6 +95,10 @@ class MemoryReport:
         rows += [("state + batch (analytic)", self.analytic_state), ("XLA arguments", self.xla_arguments),
                 ("XLA outputs", self.xla_outputs), ("XLA aliased (donated)", self.xla_aliased),
                 ("XLA temporaries", self.xla_temp), ("peak = args + outputs + temp - aliased", self.peak)]
+        if self.host_arguments:
+            rows.append(("host memory: XLA arguments (optim.offload_state; not in the peak)", self.host_arguments))
+        if self.host_temp:
+            rows.append(("host memory: XLA temporaries (model.remat=offload; not in the peak)", self.host_temp))
         unit, size = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
         lines = [f"| per device | {unit} |", "|---|---|"] + [f"| {name} | {b / size:.3f} |" for name, b in rows]
         if self.ranks:
@@ -146,6 +152,8 @@ def memory_report(config, devices=None) -> MemoryReport:
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
         pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys),
         kernel_calls=kernel_calls, pipeline_label=trainer.path.state_label,
+        host_temp=getattr(memory, "host_temp_size_in_bytes", 0) or 0,
+        host_arguments=getattr(memory, "host_argument_size_in_bytes", 0) or 0,
         ranks=tuple(rank_balance(trainer.plan)) if trainer.plan.schedule is not None else ())
 
 

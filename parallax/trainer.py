@@ -70,11 +70,17 @@ class Trainer:
                                        stale_gradients=self.path.stale_gradients)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         replicated = NamedSharding(self.mesh, P())
+        # optim.offload_state: the state lives in host memory between steps ('pinned_host'); each step brings
+        # it to the chips (`_train_step`), where XLA can start the copies late (the update comes after the
+        # backward), and the step's outputs return it to the host.
+        self._opt_on_device = self.path.opt_state_shardings(
+            _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh))
+        offload = bool(self.config.optim.offload_state) and isinstance(self.mesh, jax.sharding.Mesh)
         self.state_shardings = {
             "step": replicated,
             "params": self.param_shardings,
-            "opt_state": self.path.opt_state_shardings(
-                _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh)),
+            "opt_state": jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self._opt_on_device)
+            if offload else self._opt_on_device,
             **self.path.extra_shardings(self.param_shardings),
         }
         self.batch_sharding = self.path.rows_sharding()  # rows: what each host loads
@@ -133,6 +139,8 @@ class Trainer:
         return self._steps_by_kind[kind]
 
     def _train_step(self, state, batch, kind=None):
+        if self.state_shardings["opt_state"] is not self._opt_on_device:  # optim.offload_state
+            state = {**state, "opt_state": jax.device_put(state["opt_state"], self._opt_on_device)}
         return self.path.train_step(self.update, state, batch, kind)
 
     def update(self, state, batch, loss, grads, aux, completed=True):

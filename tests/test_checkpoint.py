@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 
+import jax
 import pytest
 
 from helpers import ROOT, launcher_command, read_metrics, run_launcher, tiny_config
@@ -35,7 +36,12 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
     train_and_evaluate(_config(6), straight, log=_quiet)
     train_and_evaluate(_config(3), resumed, log=_quiet)
     lines = []
-    result = train_and_evaluate(_config(6), resumed, log=lines.append)
+    config = _config(6)
+    config.optim.offload_state = True  # restored into host memory; the same numbers
+    result = train_and_evaluate(config, resumed, log=lines.append)
+    from parallax.trainer import Trainer
+    kinds = {s.memory_kind for s in jax.tree.leaves(Trainer(config).state_shardings["opt_state"])}
+    assert kinds == {"pinned_host"}, kinds
     assert any("resumed" in line and "step 3" in line for line in lines)
     assert [r["step"] for r in result.history] == [4, 5, 6]
     assert _losses(resumed) == _losses(straight)
