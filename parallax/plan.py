@@ -300,11 +300,6 @@ def _pipeline_schedule(config, sizes, dp) -> Schedule | None:
     p, pc, m, t = sizes["pipe"], config.pipeline, config.model, config.train
     if p == 1:
         return None
-    if sizes["seq"] > 1 and m.attention == "ring":
-        raise ConfigError(f"config.model.attention='ring' with mesh.pipe={p}, mesh.seq={sizes['seq']}: ring "
-                          f"attention cannot run inside pipeline stages (an XLA collective-permute has no replica "
-                          f"groups, so every device joins each one, while pipeline ranks run different stages); "
-                          f"use attention='allgather' (any head count) or 'ulysses' with pipe > 1")
     if t.microbatches != 1:
         raise ConfigError(f"config.train.microbatches={t.microbatches}: with mesh.pipe={p} the pipeline "
                           f"microbatches the batch itself; set train.microbatches=1 and use pipeline.microbatches")

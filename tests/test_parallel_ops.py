@@ -5,6 +5,7 @@ fp32 on packed documents (several documents per row, positions restarting per do
 forward and gradients w.r.t. every input, relative Frobenius error <= 1e-5. The compiled HLO is checked
 for exactly the collectives each module docstring predicts.
 """
+import functools
 import math
 
 import jax
@@ -108,8 +109,9 @@ def test_ulysses_matches_dense_attention_and_grads(s, kv_heads):
     _check_fwd_and_grads(fn, _dense_attention, args, (0, 1, 2), rng)
 
 
-@pytest.mark.parametrize("attention", [sequence.ring_attention, sequence.allgather_attention],
-                         ids=["ring", "allgather"])
+@pytest.mark.parametrize("attention", [sequence.ring_attention, sequence.allgather_attention,
+                                       functools.partial(sequence.ring_attention, grouped=True)],
+                         ids=["ring", "allgather", "ring-grouped"])
 @pytest.mark.parametrize("s,kv_heads", [(2, 4), (4, 2)])
 def test_zigzag_ring_and_allgather_attention_match_dense_attention_and_grads(s, kv_heads, attention):
     rng = np.random.default_rng(100 + s * 10 + kv_heads)
@@ -333,6 +335,10 @@ def test_ring_uses_two_collective_permutes_per_step():
     assert _counts(fn, *args) == _only(collective_permute=2 * (s - 1))
     # Backward: one more per step, carrying the k|v cotangents back around the ring.
     assert _fwd_bwd_counts(fn, args, 3, rng) == _only(collective_permute=3 * (s - 1))
+    # Inside pipeline stages (`grouped`): each shift is one all-to-all within the seq group instead.
+    grouped = _seq_sharded(functools.partial(sequence.ring_attention, grouped=True), _mesh("seq", s))
+    assert _counts(grouped, *args) == _only(all_to_all=2 * (s - 1))
+    assert _fwd_bwd_counts(grouped, args, 3, rng) == _only(all_to_all=3 * (s - 1))
 
 
 def test_sequence_parallel_mlp_uses_one_all_gather_and_one_reduce_scatter():

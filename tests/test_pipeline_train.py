@@ -67,6 +67,8 @@ MODEL_PARALLEL_CASES = [
     ("dualpipev", dict(fsdp=2, tensor=2), "dense", 5),
     ("1f1b", dict(seq=4), "allgather", 5),  # 2 kv heads on 4 seq ranks: no head is split
     ("1f1b", dict(seq=2, tensor=2), "allgather", 5),
+    ("1f1b", dict(seq=2, data=2), "ring", 5),  # k|v shifted by all-to-alls within a stage (grouped_shift)
+    ("zbv", dict(seq=2, tensor=2), "ring", 2),
 ]
 
 
@@ -182,8 +184,7 @@ def test_a_run_resumes_with_another_layout(tmp_path):
     (dict(pipeline=dict(schedule="pipedream")), "unknown schedule 'pipedream'"),
     (dict(pipeline=dict(microbatches=3)), "pipeline.microbatches=3"),
     (dict(train=dict(microbatches=2)), "set train.microbatches=1"),
-    (dict(mesh=dict(data=1, seq=2), model=dict(attention="ring")), "use attention='allgather'"),
-], ids=["layers", "layout-stages", "layout-sum", "vocab-size", "vocab-2bw", "interleaved-m", "unknown", "batch", "accumulation", "ring"])
+], ids=["layers", "layout-stages", "layout-sum", "vocab-size", "vocab-2bw", "interleaved-m", "unknown", "batch", "accumulation"])
 def test_bad_pipeline_config_names_the_fix(change, expected):
     config = _config("1f1b", pipe=4, data=2)
     for section, values in change.items():

@@ -230,8 +230,10 @@ class Parallelism:
         if self.attention_kind == "ulysses":
             return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend)
         if self.attention_kind == "ring":
-            log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised)")
-            return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq")
+            grouped = dict(self.mesh_shape).get("pipe", 1) > 1  # inside pipeline stages: `grouped_shift`
+            log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised"
+                     + ("; k|v shifted by all-to-alls within each stage's seq ranks)" if grouped else ")"))
+            return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq", grouped=grouped)
         if self.attention_kind == "allgather":
             return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend,
                                                 platform=self.platform)

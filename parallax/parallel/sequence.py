@@ -209,7 +209,25 @@ def _put(state, sl, part):
     return m.at[..., sl].set(pm), l.at[..., sl].set(pl), o.at[:, sl].set(po)
 
 
-def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
+def grouped_shift(x, axis_name: str = "seq"):
+    """`jax.lax.ppermute(x, axis_name, [(r, r + 1 mod s)])` as one all-to-all over `axis_name`: each rank
+    puts x in the slot of the next rank of an [s, ...] buffer (the others zeros) and keeps what the previous
+    rank put in its slot.
+
+    Why: an XLA collective-permute has no replica groups (every device of the program takes part), so
+    inside the pipeline executor's per-rank `lax.switch`, where pipeline ranks run different branches, XLA:CPU
+    paired the permutes of different branches and exchanged the wrong blocks. An all-to-all has replica
+    groups (the `seq` ranks of one pipeline rank), so it stays inside a stage. The price: the buffer is s
+    blocks, of which s-1 travel (one of them real): at s = 2 the bytes of a permute, at s the s-1 fold."""
+    s = jax.lax.axis_size(axis_name)
+    r = jax.lax.axis_index(axis_name)
+    slots = jnp.zeros((s, *x.shape), x.dtype)
+    slots = jax.lax.dynamic_update_index_in_dim(slots, x, (r + 1) % s, axis=0)
+    got = jax.lax.all_to_all(slots, axis_name, 0, 0, tiled=True)  # [s, ...]: slot i from rank i
+    return jax.lax.dynamic_index_in_dim(got, (r - 1) % s, axis=0, keepdims=False)
+
+
+def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", grouped: bool = False):
     """Causal ring attention with zigzag load balancing and exact online softmax.
 
     Local shards in `ring_layout` order: q [B, 2c, H, Dh]; k, v [B, 2c, K, Dh]; segment_ids, positions
@@ -229,6 +247,9 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
 
     Backward is JAX autodiff: each step's block update is rematerialised, so per device it keeps the s
     received k|v blocks and running states, O(B*T*(K + H)*Dh) rather than the O(B*H*T^2/s) probabilities.
+
+    `grouped`: the blocks move by `grouped_shift` (all-to-alls within each `seq` group) instead of
+    collective-permutes: inside pipeline stages.
     """
     s = jax.lax.axis_size(axis_name)
     b, tl, h, dh = q.shape
@@ -256,9 +277,12 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"):
     kv = jnp.stack([k, v])  # (2, B, 2c, K, Dh)
     kv_ids = jnp.stack([segment_ids, positions])  # (2, B, 2c)
     perm = [(r, (r + 1) % s) for r in range(s)]
+
+    def shift(x):
+        return grouped_shift(x, axis_name) if grouped else jax.lax.ppermute(x, axis_name, perm)
     for j in range(1, s):
-        kv = jax.lax.ppermute(kv, axis_name, perm)  # (2, B, 2c, K, Dh) from rank (i - j) mod s
-        kv_ids = jax.lax.ppermute(kv_ids, axis_name, perm)  # (2, B, 2c)
+        kv = shift(kv)  # (2, B, 2c, K, Dh) from rank (i - j) mod s
+        kv_ids = shift(kv_ids)  # (2, B, 2c)
 
         def from_lower(state, kv=kv, kv_ids=kv_ids):
             # Source rank < i: both local chunks see the source's early chunk only.
