@@ -9,6 +9,7 @@
     python launch/bench.py --part=balance --cpu_devices=1              # pipeline layouts of Llama 3 8B: per-rank work
     python launch/bench.py --part=diloco --cpu_devices=4 --steps=800   # DiLoCo vs data parallel: eval loss
     python launch/bench.py --part=overlap --topology=v5p:2x2x1          # dualpipev's overlapped all-to-alls
+    python launch/bench.py --part=packs                                # context-parallel work: zigzag vs balanced
                                                                        # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -25,7 +26,7 @@ from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
-                                  "diloco", "overlap"],
+                                  "diloco", "overlap", "packs"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
@@ -557,6 +558,38 @@ def bench_overlap(topology: str):
               f"{peak / 2**30:.2f} |")
 
 
+def bench_packs(rows: int = 16, seq_len: int = 131072, block: int = 512):
+    """Per-rank causal attention work (sum of position + 1 over each rank's tokens) on packed rows of
+    documents with log-normal lengths, over seq 4 and 8: the zigzag layout against `seq_layout=balanced`
+    (`sequence.balanced_order`, one piece per attention tile). Numpy and one jitted order per case."""
+    import numpy as np
+
+    from parallax.parallel import sequence
+
+    print(f"{rows} packed rows of {seq_len} tokens; max / mean per-rank work (1.00 = even)\n")
+    print("| documents (log-normal) | seq | zigzag | balanced |")
+    print("|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for median, sigma in ((2000, 1.2), (8000, 1.0)):
+        seg, pos = np.zeros((rows, seq_len), np.int32), np.zeros((rows, seq_len), np.int32)
+        for r in range(rows):
+            start, doc = -int(rng.integers(0, median)), 1  # the first document starts before the row
+            while start < seq_len:
+                n = max(1, int(rng.lognormal(np.log(median), sigma)))
+                lo, hi = max(start, 0), min(start + n, seq_len)
+                if hi > lo:
+                    seg[r, lo:hi], pos[r, lo:hi] = doc, np.arange(lo - start, hi - start)
+                start, doc = start + n, doc + 1
+        for s in (4, 8):
+            zigzag = sequence.ring_layout(np.broadcast_to(np.arange(seq_len), seg.shape), s, axis=1)
+            balanced = sequence.balanced_order(seg, pos, s, sequence.balanced_chunks(seq_len // s, block))
+
+            def spread(order):
+                work = sequence.attention_work(seg, pos, order, s)
+                return work.max() / work.mean()
+            print(f"| median {median}, sigma {sigma} | {s} | {spread(zigzag):.3f} | {spread(balanced):.3f} |")
+
+
 def main(_):
     if FLAGS.part == "device" and not FLAGS.cpu_devices:  # the overlap flags a training run would set
         from parallax.mesh import apply_platform_flags, detect_platform
@@ -569,6 +602,9 @@ def main(_):
         apply_platform_flags("tpu", generation=FLAGS.topology.split(":")[0])
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         bench_overlap(FLAGS.topology)
+        return
+    if FLAGS.part == "packs":
+        bench_packs()
         return
     if FLAGS.part == "data":  # no jax: the data pipeline alone
         bench_data(FLAGS.data_gb, FLAGS.data_dir)

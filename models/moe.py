@@ -421,6 +421,11 @@ class MoE(Model):
                                   f"{rows} rows per rank and microbatch (global_batch_size="
                                   f"{config.train.global_batch_size} / {mbs} microbatches / {batch_ranks} batch "
                                   f"ranks); use a divisor of {rows}")
+        if (sizes["seq"] > 1 and m.seq_layout == "balanced" and moe.dispatch == "capacity"
+                and moe.capacity_factor > 0):
+            raise ConfigError(f"config.model.moe.capacity_factor={moe.capacity_factor} with model.seq_layout="
+                              f"'balanced': capacity drops follow the row's token order, which the balanced layout "
+                              f"scatters over the seq ranks; use capacity_factor=0 (dropless) or seq_layout=zigzag")
         if moe.dispatch == "ragged" and ep > 1 and model_lib.target_platform() == "cpu":
             raise ConfigError(f"config.model.moe.dispatch='ragged' with mesh.expert={ep} on cpu: "
                               f"jax.lax.ragged_all_to_all is not implemented on XLA:CPU; use "

@@ -89,6 +89,7 @@ GENERIC_KEYS = {
     "dtype": "float32",  # compute dtype: float32 or bfloat16 (parameters stay float32)
     "remat": "none",  # none | full | dots | offload (full, the layer inputs in host memory): recompute in the backward
     "attention": "dense",  # dense | ulysses | ring | allgather: attention over mesh.seq > 1
+    "seq_layout": "zigzag",  # allgather: zigzag | balanced (each seq rank gets pieces of equal causal work per row)
     "attention_block": 512,  # blockwise attention tile, tokens (0: the reference with [T, T] logits)
     "attention_impl": "auto",  # auto | blockwise | splash | cudnn: attention kernel (auto: TPU splash, GPU bf16 cudnn)
     "loss_chunk": 1024,  # sequence positions per cross-entropy chunk (0: all logits at once)

@@ -126,7 +126,8 @@ def _make_plan(config, num_devices, platform):
     expert = sizes["expert"] if "expert" in cls.parallel_axes else 1
     if sizes["tensor"] > 1 or sizes["seq"] > 1 or expert > 1 or schedule is not None:
         par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], expert=expert,
-                          attention_kind=config.model.attention, mesh_shape=tuple(sizes.items()),
+                          attention_kind=config.model.attention, seq_layout=config.model.seq_layout,
+                          mesh_shape=tuple(sizes.items()),
                           rules=tuple(rules.items()), **kernels)
     return _auto_layout(Plan(
         config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls, model_config=model_config,
@@ -228,6 +229,12 @@ def _check_generic(config, sizes):
     if sp > 1 and m.attention == "dense":
         raise ConfigError(f"config.model.attention='dense' with mesh.seq={sp}: set attention to 'ulysses', "
                           f"'allgather' or 'ring', or set mesh.seq=1")
+    if m.seq_layout not in ("zigzag", "balanced"):
+        raise ConfigError(f"config.model.seq_layout={m.seq_layout!r}: expected zigzag or balanced")
+    if m.seq_layout == "balanced" and m.attention != "allgather":
+        raise ConfigError(f"config.model.seq_layout='balanced' with attention={m.attention!r}: the balanced "
+                          f"layout is for attention='allgather' (ring's skipping needs zigzag chunks; Ulysses "
+                          f"attends whole rows); set seq_layout=zigzag or attention=allgather")
     if m.attention in ("ring", "allgather") and t.seq_len % (2 * sp):
         raise ConfigError(f"config.train.seq_len={t.seq_len}: {m.attention}: seq_len={t.seq_len} is not divisible by "
                           f"2*seq={2 * sp} (zigzag layout): use a seq_len that is a multiple of {2 * sp}")

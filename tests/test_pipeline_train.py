@@ -68,7 +68,7 @@ MODEL_PARALLEL_CASES = [
     ("1f1b", dict(seq=4), "allgather", 5),  # 2 kv heads on 4 seq ranks: no head is split
     ("1f1b", dict(seq=2, tensor=2), "allgather", 5),
     ("1f1b", dict(seq=2, data=2), "ring", 5),  # k|v shifted by all-to-alls within a stage (grouped_shift)
-    ("zbv", dict(seq=2, tensor=2), "ring", 2),
+    ("zbv", dict(seq=2, tensor=2), "ring", 5),
 ]
 
 

@@ -142,6 +142,7 @@ class Parallelism:
     attention_impl: str = "blockwise"  # the local attention kernel: blockwise | splash | cudnn (the plan resolves auto)
     decoding: bool = False  # generating (parallax.generate), not training: e.g. a router may route every token
     vocab_axes: tuple = ()  # the head's vocabulary split over these axes (pipeline.vocab_parallel: pipe, tensor)
+    seq_layout: str = "zigzag"  # all-gather attention's rows over seq: zigzag | balanced (`sequence.balanced_order`)
 
     @property
     def manual(self) -> bool:
@@ -236,7 +237,7 @@ class Parallelism:
             return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq", grouped=grouped)
         if self.attention_kind == "allgather":
             return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend,
-                                                platform=self.platform)
+                                                platform=self.platform, zigzag=not self.balanced)
         raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses', 'ring' "
                          f"or 'allgather'")
 
@@ -327,19 +328,37 @@ class Parallelism:
 
     @property
     def zigzag(self) -> bool:
-        """Ring and all-gather attention take their sequence in the zigzag layout (`sequence.ring_layout`)."""
-        return self.attention_kind in ("ring", "allgather") and self.seq > 1
+        """Ring and all-gather attention take their sequence in the zigzag layout (`sequence.ring_layout`),
+        unless all-gather's rows are `balanced`."""
+        return self.attention_kind in ("ring", "allgather") and self.seq > 1 and not self.balanced
+
+    @property
+    def balanced(self) -> bool:
+        """All-gather attention with `seq_layout=balanced`: each rank's tokens are pieces of equal causal
+        work (`sequence.balanced_order`), per row, from the batch's segment ids and positions."""
+        return self.attention_kind == "allgather" and self.seq > 1 and self.seq_layout == "balanced"
+
+    def laid_out(self, batch: dict) -> dict:
+        """[B, T] batch arrays in the order whose contiguous split over `seq` gives each rank its tokens:
+        zigzag or balanced (identity otherwise)."""
+        if self.balanced:
+            t = batch["segment_ids"].shape[1]
+            order = sequence.balanced_order(batch["segment_ids"], batch["positions"], self.seq,
+                                            sequence.balanced_chunks(t // self.seq, self.attention_block))
+            return jax.tree.map(lambda a: jnp.take_along_axis(a, order, axis=1), batch)
+        if self.zigzag:
+            return jax.tree.map(lambda a: sequence.ring_layout(a, self.seq, axis=1), batch)
+        return batch
 
     def local_sequence(self, batch: dict) -> dict:
-        """With `zigzag`: [B, T] batch arrays -> this rank's [B, T/s] in the ring layout (chunks i, 2s-1-i)."""
-        if not self.zigzag:
+        """With `zigzag` or `balanced`: [B, T] batch arrays -> this rank's [B, T/s] of `laid_out`."""
+        if not (self.zigzag or self.balanced):
             return batch
         rank = jax.lax.axis_index("seq")
 
         def mine(a):
-            laid = sequence.ring_layout(a, self.seq, axis=1)  # (B, T) in zigzag order
-            return jax.lax.dynamic_slice_in_dim(laid, rank * (a.shape[1] // self.seq), a.shape[1] // self.seq, 1)
-        return jax.tree.map(mine, batch)
+            return jax.lax.dynamic_slice_in_dim(a, rank * (a.shape[1] // self.seq), a.shape[1] // self.seq, 1)
+        return jax.tree.map(mine, self.laid_out(batch))
 
 
 DENSE = Parallelism()
@@ -393,7 +412,7 @@ def shard_loss(loss_fn, par: Parallelism, mesh, param_logical, replicas: bool = 
     replica r's value, from its own parameters and rows. No collective runs over `replica`.
     """
     param_specs = par.param_specs(param_logical)
-    batch_spec = par.spec(("batch", None if par.zigzag else "length"))
+    batch_spec = par.spec(("batch", None if par.zigzag or par.balanced else "length"))
     out_spec = P()
     if replicas:
         param_specs = jax.tree.map(lambda s: P(REPLICA, *s), param_specs, is_leaf=lambda s: isinstance(s, P))

@@ -160,6 +160,46 @@ def ring_layout(x, s: int, axis: int = 1):
     return jnp.concatenate([chunks[c] for c in _zigzag_order(s)], axis=axis)
 
 
+def balanced_chunks(local_len: int, block: int) -> int:
+    """Chunks per rank of the balanced layout: one attention tile each (`block` tokens) where tiles divide
+    the rank's `local_len` tokens at least twice, else 2 (zigzag's count)."""
+    if block and local_len % block == 0 and local_len // block >= 2:
+        return local_len // block
+    return 2
+
+
+def balanced_order(segment_ids, positions, s: int, chunks: int):
+    """A per-row order of the T positions ([B, T] indices) that gives each of `s` ranks `chunks` pieces of
+    T/(s*chunks) consecutive tokens with about the same causal attention work (`seq_layout=balanced`).
+
+    A token at position p of its document attends p+1 keys, so a piece's work is the sum of p+1 over its
+    real tokens (padding, segment 0, counts 0). Pieces are dealt heaviest first in a snake (ranks 0..s-1,
+    then s-1..0, ...), so every rank gets exactly `chunks` pieces; within a rank they keep their order in
+    the row (the keys of a blockwise kernel stay position ranges). Zigzag is the same deal for one causal
+    document filling the row; on packed rows of many documents it is not balanced (a rank holding the
+    late parts of long documents does up to 2-3x the mean: `attention_work`, docs/parallelism.md).
+    Exact for attention that masks by segment ids and positions (all-gather) and for per-token losses."""
+    b, t = segment_ids.shape
+    n = s * chunks
+    c = t // n
+    work = jnp.where(segment_ids > 0, positions + 1, 0).astype(jnp.float32).reshape(b, n, c).sum(-1)  # (B, n)
+    heaviest = jnp.argsort(-work, axis=1, stable=True)  # (B, n): pieces, heaviest first
+    i = jnp.arange(n)
+    snake = jnp.where((i // s) % 2 == 0, i % s, s - 1 - i % s).astype(jnp.int32)  # the rank of the i-th heaviest
+    rank = jnp.zeros((b, n), jnp.int32).at[jnp.arange(b)[:, None], heaviest].set(jnp.broadcast_to(snake, (b, n)))
+    pieces = jnp.argsort(rank * n + i[None], axis=1, stable=True)  # (B, n): by rank, then row order
+    return (pieces[:, :, None] * c + jnp.arange(c)[None, None]).reshape(b, t)
+
+
+def attention_work(segment_ids, positions, order, s: int):
+    """The causal attention work (sum of position + 1 over real tokens) of each of `s` ranks when row
+    positions `order` [B, T] are split contiguously over them: [s] numbers (numpy), summed over rows."""
+    import numpy as np
+    w = np.where(np.asarray(segment_ids) > 0, np.asarray(positions) + 1, 0)
+    w = np.take_along_axis(w, np.asarray(order), axis=1)
+    return w.reshape(w.shape[0], s, -1).sum(axis=(0, 2))
+
+
 def ring_unlayout(x, s: int, axis: int = 1):
     """Inverse of `ring_layout`: zigzag layout back to sequence order."""
     order = _zigzag_order(s)
@@ -307,7 +347,7 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
 
 
 def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference,
-                        platform: str | None = None):
+                        platform: str | None = None, zigzag: bool = True):
     """Local queries attend the whole sequence's keys: one all-gather of k|v over `axis_name` per call.
 
     Local shards in `ring_layout` order (rank i holds zigzag chunks i and 2s-1-i, so every rank has the
@@ -319,6 +359,9 @@ def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "se
 
     Backward is JAX autodiff: the all-gather's transpose, one reduce-scatter of the k|v cotangents. The
     kernel keeps the gathered [B, T, K, Dh] k and v for the backward (K/H of a full-sequence q's size).
+
+    `zigzag=False`: the ranks hold `balanced_order` pieces instead; the gathered keys stay rank-major (each
+    rank's pieces in row order), and the masks, by segment ids and positions, do not depend on the order.
     """
     s = jax.lax.axis_size(axis_name)
     check_sequence_parallel("allgather", s, q.shape[2], k.shape[2], q.shape[1] * s)
@@ -327,8 +370,9 @@ def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "se
     dt = reduction_dtype(k.dtype, platform)
     kv = jnp.stack([k, v]).astype(dt)  # (2, B, T/s, K, Dh)
     kv = jax.lax.all_gather(kv, axis_name, axis=2, tiled=True).astype(k.dtype)  # (2, B, T, K, Dh), zigzag order
-    kv = ring_unlayout(kv, s, axis=2)  # (2, B, T, K, Dh) in sequence order
     seg_pos = jnp.stack([segment_ids, positions], axis=-1)  # (B, T/s, 2)
     seg_pos = jax.lax.all_gather(seg_pos, axis_name, axis=1, tiled=True)  # (B, T, 2)
-    seg_pos = ring_unlayout(seg_pos, s, axis=1)  # (B, T, 2)
+    if zigzag:
+        kv = ring_unlayout(kv, s, axis=2)  # (2, B, T, K, Dh) in sequence order
+        seg_pos = ring_unlayout(seg_pos, s, axis=1)  # (B, T, 2)
     return attend(q, kv[0], kv[1], segment_ids, seg_pos[..., 0], positions, seg_pos[..., 1])  # (B, T/s, H, Dh)

@@ -61,7 +61,7 @@ class PipelinePath(StepPath):
         self.stage_aux = bool(jax.eval_shape(
             lambda c, x: model_lib.apply_blocks_aux(t.graphdef, c, x, t.mb)[1], one, t.x))
         self.routed = self._find_routed() if (
-            not plan.parallelism.zigzag
+            not (plan.parallelism.zigzag or plan.parallelism.balanced)
             and plan.config.train.seq_len % (plan.sizes["seq"] * plan.sizes["pipe"]) == 0) else {}
         self.outer_par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
         self.stage_par = self._stage_parallelism()
@@ -170,8 +170,7 @@ class PipelinePath(StepPath):
         rest = {k: v for k, v in params.items() if k != "blocks"}
         to_layout = functools.partial(to_pipeline_layout, schedule=schedule)
         laid_out = batch
-        if self.outer_par.zigzag:  # each seq rank's contiguous shard is then its zigzag chunks (i, 2s-1-i)
-            laid_out = jax.tree.map(lambda a: sequence.ring_layout(a, self.outer_par.seq, axis=1), batch)
+        laid_out = self.outer_par.laid_out(batch)  # zigzag or balanced: each seq rank's shard is then its own
         return dict(
             **self.functions(),
             params={"first": _subtree(rest, self.first_keys),
