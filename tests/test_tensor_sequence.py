@@ -169,10 +169,12 @@ def _short_documents(batch, rng):
     return {**batch, "segment_ids": seg, "positions": pos, "weights": w.astype(batch["weights"].dtype)}
 
 
-def test_balanced_layout_on_rows_of_many_short_documents_matches_single_device():
+def test_balanced_layout_on_rows_of_many_short_documents_matches_single_device(tmp_path):
     """model.seq_layout=balanced (all-gather attention over seq 4): each rank's tokens are pieces of about
     equal causal work, per row. Loss and every gradient as one device, and 3 steps, on rows of many short
-    documents; the ranks' work is closer to the mean than zigzag's on the same rows."""
+    documents; the ranks' work is closer to the mean than zigzag's on the same rows; in bf16 it trains,
+    evaluates, checkpoints and resumes."""
+    from helpers import bf16_train_eval_resume
     import numpy as np
 
     from parallax.parallel import sequence
@@ -205,6 +207,7 @@ def test_balanced_layout_on_rows_of_many_short_documents_matches_single_device()
               [("zigzag", zigzag), ("balanced", sequence.balanced_order(seg, pos, 4, sequence.balanced_chunks(16, 2)))]}
     ratio = {name: work.max() / work.mean() for name, work in spread.items()}
     assert ratio["balanced"] < ratio["zigzag"] and ratio["balanced"] <= 1.10, ratio
+    bf16_train_eval_resume(balanced, tmp_path)
 
 
 def test_balanced_layout_needs_allgather_attention():
