@@ -563,7 +563,8 @@ def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):
 @pytest.mark.parametrize("attention,mesh", [
     ("ring", dict(expert=2, seq=2, data=2)),  # zigzag: each rank holds two chunks of a row
     ("allgather", dict(expert=2, seq=2, tensor=2)),  # zigzag, the rows gathered over tensor
-], ids=["ring-expert=2,seq=2,data=2", "allgather-expert=2,seq=2,tensor=2"])
+    ("ulysses", dict(expert=2, seq=2, fsdp=2)),  # contiguous: each rank holds one chunk
+], ids=["ring-expert=2,seq=2,data=2", "allgather-expert=2,seq=2,tensor=2", "ulysses-expert=2,seq=2,fsdp=2"])
 def test_sequence_parallel_drops_and_balances_as_one_device(capacity_reference, attention, mesh):
     """Rows split over `seq` with capacity drops (factor 0.5): each rank routes its own tokens, and the
     counts of the other ranks' chunks place its assignments in the row, so the same ones drop; the balance
@@ -571,12 +572,6 @@ def test_sequence_parallel_drops_and_balances_as_one_device(capacity_reference, 
     config = moe_config(capacity_factor=0.5, **mesh)
     config.model.attention = attention
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps=2), capacity_reference, TOL)
-
-
-def test_sequence_parallel_ulysses_dropless_matches_single_device(reference):
-    config = moe_config(expert=2, seq=2, fsdp=2)
-    config.model.attention = "ulysses"
-    assert_parity(loss_grads_and_steps(config, jax.devices()), reference, TOL)
 
 
 @pytest.mark.parametrize("mesh,moe,model", [
