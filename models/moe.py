@@ -288,7 +288,8 @@ class MoEBlocks(llama.Blocks):
         cap = ep_lib.capacity(row, moe.top_k, moe.num_experts, moe.capacity_factor)
         cap = None if dropless or cap >= row else cap  # T slots: nothing can drop
         # A row split over `seq`: the row positions of this rank's assignments, so drops match one device.
-        offset = ep_lib.seq_offsets(idx, moe.num_experts, par.seq, par.zigzag) if cap and par.seq > 1 else None
+        order = par.piece_order or tuple(range(par.seq))  # the row's layout over seq
+        offset = ep_lib.seq_offsets(idx, moe.num_experts, order) if cap and par.seq > 1 else None
         if dropless or par.expert == 1:
             impl = ep_lib.grouped_impl(moe.grouped_impl, par.platform)
             log_once(f"grouped matmuls: {impl} (moe.grouped_impl={moe.grouped_impl}), "

@@ -82,6 +82,23 @@ def _called(line: str) -> list[str]:
     return names
 
 
+def loop_body_text(compiled_or_hlo_text) -> str:
+    """The instructions of every computation a `while` loop body reaches (the layer scans, the pipeline
+    executor's tick loop and its switch branches), one per line: e.g. for `collective_traffic` of the
+    collectives that run per layer or per tick, without the once-per-step ones around the loops."""
+    comps = _computations(_text(compiled_or_hlo_text))
+    stack = [m.group(1) for lines in comps.values() for line in lines for m in [_WHILE_BODY.search(line)] if m]
+    seen, lines = set(), []
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        lines += comps[name]
+        stack.extend(n for line in comps[name] for n in _called(line))
+    return "\n".join(lines)
+
+
 def loop_body_collectives(compiled_or_hlo_text) -> list[dict[str, int]]:
     """Collective counts of each `while` loop body (with the computations it calls, e.g. `cond` branches).
 

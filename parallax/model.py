@@ -88,7 +88,8 @@ GENERIC_KEYS = {
     "vocab_size": 256,  # token ids the embedding and the head cover (0: the tokenizer's, padded)
     "dtype": "float32",  # compute dtype: float32 or bfloat16 (parameters stay float32)
     "remat": "none",  # none | full | dots | offload (full, the layer inputs in host memory): recompute in the backward
-    "attention": "dense",  # dense | ulysses | ring | allgather: attention over mesh.seq > 1
+    "attention": "dense",  # dense | ulysses | ring | usp | allgather: attention over mesh.seq > 1
+    "ulysses_degree": 0,  # usp: seq ranks per Ulysses all-to-all group, ring over the rest (0: the most heads allow)
     "seq_layout": "zigzag",  # allgather: zigzag | balanced (each seq rank gets pieces of equal causal work per row)
     "attention_block": 512,  # blockwise attention tile, tokens (0: the reference with [T, T] logits)
     "attention_impl": "auto",  # auto | blockwise | splash | cudnn: attention kernel (auto: TPU splash, GPU bf16 cudnn)
@@ -226,7 +227,8 @@ def check_attention_split(model_config, sizes, seq_len: int, num_heads: int, num
             raise ConfigError(f"config.model.{key}={model_config[key]}: not divisible by mesh.tensor={tp}; "
                               f"use a tensor size that divides it")
     try:
-        check_sequence_parallel(model_config.attention, sizes["seq"], num_heads // tp, num_kv_heads // tp, seq_len)
+        check_sequence_parallel(model_config.attention, sizes["seq"], num_heads // tp, num_kv_heads // tp, seq_len,
+                                int(model_config.get("ulysses_degree", 0)))
     except ValueError as e:
         raise ConfigError(f"config.model.attention={model_config.attention!r}, mesh.seq={sizes['seq']} (per tensor "
                           f"rank: {num_heads // tp} heads, {num_kv_heads // tp} kv heads): {e}") from None

@@ -23,12 +23,13 @@ from parallax import optim as optim_lib
 from parallax import sharding
 from parallax.errors import ConfigError
 from parallax.parallel import splash as splash_lib
+from parallax.parallel.sequence import usp_degree
 from parallax.parallel.manual import Parallelism
 from parallax.pipeline.schedule import Schedule, ScheduleError, balanced_layers, make_schedule
 from parallax.pipeline.validate import validate
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("dense", "ulysses", "ring", "allgather")
+ATTENTION = ("dense", "ulysses", "ring", "usp", "allgather")
 # Logical names that explicit tensor / sequence / expert parallelism shards over its own axis.
 _EXPLICIT_RULES = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
                    ("length", "seq"), ("experts", "expert"))
@@ -127,6 +128,7 @@ def _make_plan(config, num_devices, platform):
     if sizes["tensor"] > 1 or sizes["seq"] > 1 or expert > 1 or schedule is not None:
         par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], expert=expert,
                           attention_kind=config.model.attention, seq_layout=config.model.seq_layout,
+                          ulysses=_ulysses_degree(config, sizes),
                           mesh_shape=tuple(sizes.items()),
                           rules=tuple(rules.items()), **kernels)
     return _auto_layout(Plan(
@@ -136,6 +138,22 @@ def _make_plan(config, num_devices, platform):
 
 
 ATTENTION_IMPLS = ("auto", "blockwise", "splash", "cudnn")
+
+
+def _ulysses_degree(config, sizes) -> int:
+    """usp's Ulysses degree: `model.ulysses_degree`, or for 0 the largest proper divisor of mesh.seq that
+    the heads of one tensor rank allow (`sequence.usp_degree`); 0 for the other attentions."""
+    m, sp, tp = config.model, sizes["seq"], sizes["tensor"]
+    if m.attention != "usp" or sp == 1:
+        return 0
+    if int(m.ulysses_degree):
+        return int(m.ulysses_degree)
+    heads = m.get("num_heads")
+    if not heads:
+        raise ConfigError(f"config.model.ulysses_degree=0 (auto) with attention='usp': model {m.name!r} has no "
+                          f"num_heads key to choose by; set model.ulysses_degree to a divisor of mesh.seq={sp}")
+    kv = m.get("num_kv_heads") or heads
+    return usp_degree(sp, int(heads) // tp, int(kv) // tp)
 
 
 def _attention_impl(config, sizes, platform) -> str:
@@ -226,6 +244,13 @@ def _check_generic(config, sizes):
     if t.seq_len % (sp * tp):
         raise ConfigError(f"config.train.seq_len={t.seq_len}: not divisible by mesh.seq*mesh.tensor={sp * tp} "
                           f"(the residual stream is split over both); use a multiple of {sp * tp}")
+    u = int(m.ulysses_degree)
+    if u and m.attention != "usp":
+        raise ConfigError(f"config.model.ulysses_degree={u}: only attention='usp' uses it (attention="
+                          f"{m.attention!r}); set ulysses_degree=0, or attention=usp")
+    if u < 0 or (u and sp % u):
+        raise ConfigError(f"config.model.ulysses_degree={u}: usp's Ulysses groups must divide mesh.seq={sp}; use "
+                          f"a divisor of {sp}, or 0 (auto: the largest the heads allow)")
     if sp > 1 and m.attention == "dense":
         raise ConfigError(f"config.model.attention='dense' with mesh.seq={sp}: set attention to 'ulysses', "
                           f"'allgather' or 'ring', or set mesh.seq=1")
@@ -235,7 +260,7 @@ def _check_generic(config, sizes):
         raise ConfigError(f"config.model.seq_layout='balanced' with attention={m.attention!r}: the balanced "
                           f"layout is for attention='allgather' (ring's skipping needs zigzag chunks; Ulysses "
                           f"attends whole rows); set seq_layout=zigzag or attention=allgather")
-    if m.attention in ("ring", "allgather") and t.seq_len % (2 * sp):
+    if m.attention in ("ring", "usp", "allgather") and t.seq_len % (2 * sp):
         raise ConfigError(f"config.train.seq_len={t.seq_len}: {m.attention}: seq_len={t.seq_len} is not divisible by "
                           f"2*seq={2 * sp} (zigzag layout): use a seq_len that is a multiple of {2 * sp}")
     if config.data.source == "text" and m.vocab_size < 256:

@@ -146,7 +146,7 @@ def evaluate(trainer: Trainer, params, dataset, num_batches: int, source: str | 
 _MUST_MATCH_ON_RESUME = ("model", "data", "optim", "train.seed", "train.global_batch_size", "train.seq_len")
 # Memory knobs that do not change the math (blockwise attention and the chunked loss are exact).
 _MAY_CHANGE_ON_RESUME = ("model.attention_block", "model.loss_chunk", "model.attention_impl", "optim.offload_state",
-                         "model.seq_layout",
+                         "model.seq_layout", "model.ulysses_degree",
                          "data.tokenizer")  # where it lives may change; what it is (its hash) may not: _start
 
 

@@ -19,6 +19,7 @@ LAYOUTS = [
     ("llama", dict(pipe=2, seq=2, data=2, attention="ulysses")),
     ("llama", dict(pipe=2, seq=2, data=2, attention="allgather")),  # its k|v gather once crashed XLA:CPU in bf16
     ("llama", dict(pipe=2, seq=2, tensor=2, attention="ring")),  # k|v shifted by grouped all-to-alls in stages
+    ("llama", dict(pipe=2, seq=4, attention="usp")),  # Ulysses over pairs x ring over 2 pairs, in stages
     ("llama", dict(pipe=2, fsdp=2, data=2)),
     ("gpt2", dict(pipe=2, tensor=2, fsdp=2)),
 ]

@@ -564,7 +564,9 @@ def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):
     ("ring", dict(expert=2, seq=2, data=2)),  # zigzag: each rank holds two chunks of a row
     ("allgather", dict(expert=2, seq=2, tensor=2)),  # zigzag, the rows gathered over tensor
     ("ulysses", dict(expert=2, seq=2, fsdp=2)),  # contiguous: each rank holds one chunk
-], ids=["ring-expert=2,seq=2,data=2", "allgather-expert=2,seq=2,tensor=2", "ulysses-expert=2,seq=2,fsdp=2"])
+    ("usp", dict(expert=2, seq=4)),  # usp's layout: rank r holds quarter (0, 3, 1, 2)[r] of a row
+], ids=["ring-expert=2,seq=2,data=2", "allgather-expert=2,seq=2,tensor=2", "ulysses-expert=2,seq=2,fsdp=2",
+        "usp-expert=2,seq=4"])
 def test_sequence_parallel_drops_and_balances_as_one_device(capacity_reference, attention, mesh):
     """Rows split over `seq` with capacity drops (factor 0.5): each rank routes its own tokens, and the
     counts of the other ranks' chunks place its assignments in the row, so the same ones drop; the balance

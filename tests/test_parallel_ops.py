@@ -123,6 +123,33 @@ def test_zigzag_ring_and_allgather_attention_match_dense_attention_and_grads(s, 
     _check_fwd_and_grads(fn, _dense_attention, args, (0, 1, 2), rng)
 
 
+@pytest.mark.parametrize("s,u,kv_heads,grouped", [(4, 2, 2, False), (8, 2, 1, True), (8, 4, 4, False)])
+def test_usp_matches_dense_attention_and_grads(s, u, kv_heads, grouped):
+    """Ulysses within groups of u ranks x ring over s/u groups, on the usp layout (MQA: kv heads repeated)."""
+    rng = np.random.default_rng(200 + s * 10 + u)
+    q, k, v, seg, pos = _attention_inputs(rng, 4 * s, kv_heads)
+    seg, pos = seg.at[0].set(1), pos.at[0].set(jnp.arange(4 * s))  # one document over every piece
+    order = sequence.usp_order(s, u)
+    usp = _seq_sharded(functools.partial(sequence.usp_attention, ulysses=u, grouped=grouped), _mesh("seq", s))
+
+    def fn(*args):
+        return sequence.pieces_unlayout(usp(*(sequence.pieces_layout(a, order) for a in args)), order)
+    _check_fwd_and_grads(fn, _dense_attention, (q, k, v, seg, pos), (0, 1, 2), rng)
+
+
+def test_usp_layout_gives_each_ring_rank_its_zigzag_chunks_after_the_ulysses_gather():
+    s, u = 6, 3
+    r = s // u
+    x = np.arange(2 * s)  # one token per piece
+    laid = np.asarray(sequence.pieces_layout(jnp.asarray(x)[None], sequence.usp_order(s, u)))[0]
+    for g in range(r):  # the group's ranks hold, in rank order, zigzag chunks g and 2r-1-g of its ring
+        group = laid[g * 2 * u:(g + 1) * 2 * u]
+        chunks = np.split(x, 2 * r)
+        np.testing.assert_array_equal(group, np.concatenate([chunks[g], chunks[2 * r - 1 - g]]))
+    np.testing.assert_array_equal(sequence.usp_order(s, 1), sequence.zigzag_order(s))
+    np.testing.assert_array_equal(sequence.usp_order(s, s), np.arange(2 * s))
+
+
 @pytest.mark.parametrize("attention", [sequence.ulysses_attention, sequence.ring_attention,
                                        sequence.allgather_attention])
 def test_sequence_attention_inside_shard_map_manual_over_tensor_and_seq(attention):
@@ -341,6 +368,29 @@ def test_ring_uses_two_collective_permutes_per_step():
     assert _fwd_bwd_counts(grouped, args, 3, rng) == _only(all_to_all=3 * (s - 1))
 
 
+def test_usp_uses_ulysses_all_to_alls_within_groups_and_ring_permutes_across():
+    s, u = 8, 2
+    r = s // u
+    rng = np.random.default_rng(0)
+    order = sequence.usp_order(s, u)
+    args = [sequence.pieces_layout(a, order) for a in _attention_inputs(rng, 4 * s, 2)]
+    fn = _seq_sharded(functools.partial(sequence.usp_attention, ulysses=u), _mesh("seq", s))
+    # Forward: Ulysses' q|k|v and output all-to-alls and the ids|positions one, within groups of u; the
+    # ring's r-1 steps x (k|v, ids|positions) permutes.
+    assert _counts(fn, *args) == _only(all_to_all=3, collective_permute=2 * (r - 1))
+    assert _fwd_bwd_counts(fn, args, 3, rng) == _only(all_to_all=5, collective_permute=3 * (r - 1))
+    compiled = jax.jit(fn).lower(*args).compile().as_text()
+    ulysses_groups = "{" + ",".join("{" + ",".join(str(g * u + j) for j in range(u)) + "}" for g in range(r)) + "}"
+    assert compiled.count(f"replica_groups={ulysses_groups}") == 3, ulysses_groups
+    pairs = "{" + ",".join(f"{{{i},{(i + u) % s}}}" for i in range(s)) + "}"
+    assert compiled.count(f"source_target_pairs={pairs}") == 2 * (r - 1), pairs
+    # Inside pipeline stages (`grouped`): each ring shift is one all-to-all within its ring instead.
+    grouped = _seq_sharded(functools.partial(sequence.usp_attention, ulysses=u, grouped=True), _mesh("seq", s))
+    assert _counts(grouped, *args) == _only(all_to_all=3 + 2 * (r - 1))
+    rings = "{" + ",".join("{" + ",".join(str(g * u + j) for g in range(r)) + "}" for j in range(u)) + "}"
+    assert jax.jit(grouped).lower(*args).compile().as_text().count(f"replica_groups={rings}") == 2 * (r - 1), rings
+
+
 def test_sequence_parallel_mlp_uses_one_all_gather_and_one_reduce_scatter():
     rng = np.random.default_rng(0)
     args = _mlp_inputs(rng, 4)
@@ -388,8 +438,10 @@ def test_count_collectives_counts_async_pairs_once():
 
 @pytest.mark.parametrize("call,fix", [
     (lambda: sequence.check_sequence_parallel("ring", 4, 8, 2, 20), "multiple of 8"),
-    (lambda: sequence.check_sequence_parallel("ulysses", 4, 6, 2, 16), "attention='allgather'"),
-    (lambda: sequence.check_sequence_parallel("ulysses", 4, 12, 3, 16), "attention='allgather'"),
+    (lambda: sequence.check_sequence_parallel("ulysses", 4, 6, 2, 16), "attention='usp' or 'allgather'"),
+    (lambda: sequence.check_sequence_parallel("ulysses", 4, 12, 3, 16), "attention='usp' or 'allgather'"),
+    (lambda: sequence.check_sequence_parallel("usp", 4, 8, 2, 16, 3), "use a divisor of 4"),
+    (lambda: sequence.check_sequence_parallel("usp", 8, 8, 2, 40, 2), "multiple of 16"),
     (lambda: sequence.check_sequence_parallel("allgather", 4, 8, 2, 20), "multiple of 8"),
     (lambda: sequence.check_sequence_parallel("ulysses", 4, 8, 2, 18), "multiple of 4"),
     (lambda: sequence.check_sequence_parallel("dense", 2, 8, 2, 16), "set attention"),

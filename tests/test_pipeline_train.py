@@ -70,6 +70,7 @@ MODEL_PARALLEL_CASES = [
     ("1f1b", dict(seq=2, tensor=2), "allgather", 5),
     ("1f1b", dict(seq=2, data=2), "ring", 5),  # k|v shifted by all-to-alls within a stage (grouped_shift)
     ("zbv", dict(seq=2, tensor=2), "ring", 5),
+    ("1f1b", dict(seq=4), "usp", 5),  # Ulysses over pairs x ring over 2 pairs, the ring's shifts all-to-alls
 ]
 
 
@@ -82,6 +83,37 @@ def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device
     config = _config(schedule, pipe=2, **mesh)
     config.model.attention = attention
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps), reference, TOL)
+
+
+def test_sequence_collectives_inside_stages_stay_within_one_pipeline_rank():
+    """usp inside pipeline stages (pipe 2 x seq 4: Ulysses over pairs, ring over 2 pairs) compiles to
+    all-to-alls whose groups each lie within one pipeline rank -- the Ulysses pairs and the ring's grouped
+    shifts -- and collective-permutes only between pipeline ranks (the executor's hops): no permute
+    crosses seq ranks, the one XLA:CPU paired across the stages' switch branches."""
+    from parallax import hlo
+    from parallax.mesh import AXES
+
+    config = _config("1f1b", pipe=2, seq=4)
+    config.model.attention = "usp"
+    trainer = Trainer(config, devices=jax.devices())
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
+             for k, a in abstract_batch(config).items()}
+    text = trainer.loss_and_grads.lower(trainer.abstract_params, batch).compile().as_text()
+    coords = np.stack(np.unravel_index(np.arange(8), trainer.mesh.devices.shape), axis=-1)  # program id -> coords
+    pipe, seq = AXES.index("pipe"), AXES.index("seq")
+    groups = {"all-to-all": set(), "collective-permute": set()}
+    for c in hlo.collective_traffic(hlo.loop_body_text(text), 8):  # per tick (the batch's layout is made before)
+        for group in c["groups"]:
+            if len(group) > 1 and c["op"] in groups:
+                groups[c["op"]].add(tuple(group))
+    for group in groups["all-to-all"]:
+        assert len({coords[d][pipe] for d in group}) == 1, f"all-to-all group {group} spans pipeline ranks"
+    seq_of = {d: coords[d][seq] for d in range(8)}
+    kinds = {tuple(sorted(seq_of[d] for d in g)) for g in groups["all-to-all"]}
+    assert {(0, 1), (2, 3)} <= kinds and {(0, 2), (1, 3)} <= kinds, kinds  # Ulysses pairs; the rings
+    for pair in groups["collective-permute"]:
+        src, dst = (coords[d] for d in pair)
+        assert src[pipe] != dst[pipe] and np.delete(src, pipe).tolist() == np.delete(dst, pipe).tolist(), pair
 
 
 # The head and loss split over the pipe ranks along the vocabulary (pipeline.vocab_parallel): the V

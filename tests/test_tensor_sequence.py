@@ -8,13 +8,15 @@ compiles to one forward and one backward while loop; each holds exactly the coll
 import math
 
 import jax
+import numpy as np
 import pytest
 
 from helpers import assert_parity, loss_grads_and_steps, tiny_config
 from parallax import hlo
 from parallax.errors import ConfigError
+from parallax.parallel.sequence import usp_degree
 from parallax.plan import make_plan
-from parallax.train import make_dataset
+from parallax.train import make_dataset, train_and_evaluate
 from parallax.trainer import Trainer
 
 TOL = 1e-5
@@ -48,6 +50,7 @@ PARITY_MESHES = [
     dict(fsdp=2, seq=2, tensor=2, attention="ulysses"),
     dict(fsdp=2, seq=2, tensor=2, attention="ring"),
     dict(data=2, seq=4, attention="allgather"),  # 2 kv heads on 4 seq ranks: no head constraint
+    dict(data=2, seq=4, attention="usp"),  # Ulysses over pairs of seq ranks x ring over 2 (auto: 2 kv heads)
 ]
 
 
@@ -68,6 +71,9 @@ def _expected(tensor=1, seq=1, attention="dense"):
         fwd["all-to-all"] = 2  # q|k|v in, output back; the segment-id gather is loop-invariant (hoisted)
     if attention == "ring":
         fwd["collective-permute"] = seq - 1  # k|v blocks; the ids|positions permutes are hoisted
+    if attention == "usp":  # Ulysses within groups of u seq ranks, ring over seq / u groups (the ids are hoisted)
+        u = usp_degree(seq, 4 // tensor, 2 // tensor)  # tiny: 4 heads, 2 kv heads
+        fwd["all-to-all"], fwd["collective-permute"] = 2, seq // u - 1
     bwd = dict(fwd)  # each collective's transpose is one collective of the same size
     if attention == "allgather":
         fwd["all-gather"] = fwd.get("all-gather", 0) + 1  # k|v; the ids|positions gather is hoisted
@@ -83,6 +89,7 @@ HLO_MESHES = [
     dict(seq=2, tensor=2, attention="ulysses"),
     dict(seq=2, tensor=2, attention="ring"),
     dict(seq=4, attention="allgather"),
+    dict(seq=8, attention="usp"),
 ]
 
 
@@ -142,7 +149,11 @@ def test_chunked_vocab_parallel_loss_adds_one_loop_each_way_with_per_chunk_colle
     (dict(seq=2), {}, {}, "set attention to 'ulysses', 'allgather' or 'ring'"),
     (dict(seq=2, tensor=4), dict(num_kv_heads=4), dict(seq_len=36), r"mesh.seq\*mesh.tensor=8"),
     (dict(tensor=2, seq=4), dict(attention="ulysses"), {}, "ulysses: num_heads=2 is not divisible"),
-], ids=["kv_heads_vs_tensor", "ring_seq_len", "dense_with_seq", "sp_seq_len", "ulysses_heads"])
+    (dict(seq=8), dict(attention="usp", ulysses_degree=8), {}, "ulysses: num_heads=4 is not divisible by 8"),
+    (dict(seq=4), dict(attention="usp", ulysses_degree=3), {}, "ulysses_degree=3: usp's Ulysses groups must divide"),
+    (dict(seq=4), dict(attention="ring", ulysses_degree=2), {}, "ulysses_degree=2: only attention='usp' uses it"),
+], ids=["kv_heads_vs_tensor", "ring_seq_len", "dense_with_seq", "sp_seq_len", "ulysses_heads", "usp_heads",
+        "usp_degree_divides_seq", "usp_degree_without_usp"])
 def test_bad_parallel_config_raises_one_line_error_naming_the_fix(mesh, model, train, match):
     config = tiny_config(**{"data": 8 // math.prod(mesh.values()), **mesh})
     config.model.update(model)
@@ -215,3 +226,15 @@ def test_balanced_layout_needs_allgather_attention():
     config.model.seq_layout = "balanced"
     with pytest.raises(ConfigError, match="seq_layout='balanced' with attention='ring'"):
         make_plan(config, 8)
+
+
+def test_usp_trains_in_bf16_evaluates_and_resumes_with_another_ulysses_degree(tmp_path):
+    """usp over seq 4 (auto: Ulysses over pairs x ring over 2) in bf16: trains, evaluates and checkpoints;
+    the run resumes as Ulysses over all 4 ranks (`ulysses_degree` may change on resume: the same math)."""
+    from helpers import bf16_train_eval_resume
+    config = _config("usp", data=2, seq=4)
+    assert make_plan(config, 8).parallelism.ulysses == 2
+    bf16_train_eval_resume(config, tmp_path)
+    config.model.ulysses_degree, config.train.steps = 4, 5
+    result = train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
+    assert [r["step"] for r in result.history] == [5] and np.isfinite(result.history[-1]["loss"])

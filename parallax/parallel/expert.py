@@ -141,30 +141,33 @@ def slots(expert_idx, num_experts: int, cap: int, offset=None):
     return slot, keep, jnp.sum(onehot, axis=1)
 
 
-def seq_offsets(expert_idx, num_experts: int, seq: int, zigzag: bool, axis_name: str = "seq"):
+def seq_offsets(expert_idx, num_experts: int, order, axis_name: str = "seq"):
     """Capacity routing with each row split over `seq` ranks (inside the manual region): for each of this
     rank's assignments expert_idx [B, T/s, k], how many of the row's assignments to the same expert come
     before it in the choice-major order of `slots` but are held by other ranks ([B, T/s, k] int32).
 
-    The row is 2s chunks in the zigzag layout (rank r holds chunks r and 2s-1-r: `sequence.ring_layout`),
-    else s (rank r holds chunk r). Each rank counts its assignments per chunk, choice and expert; one
-    all-gather over `seq` of those [B, pieces, k, E] counts gives every rank the counts before each of its
-    chunks, so `slots` keeps and drops exactly what it does on one device."""
+    `order` is the row's layout over the s ranks (`Parallelism.piece_order`: the row cut into n equal
+    pieces, rank r holding pieces order[r*m : (r+1)*m], m = n/s; e.g. zigzag, usp, or range(s) for a row
+    split in order). Each rank counts its assignments per piece, choice and expert; one all-gather over
+    `seq` of those [B, m, k, E] counts gives every rank the counts before each of its pieces in row order,
+    so `slots` keeps and drops exactly what it does on one device."""
     b, t, k = expert_idx.shape
-    pieces = 2 if zigzag else 1
+    n = len(order)
+    m = n // jax.lax.axis_size(axis_name)
     onehot = jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.int32)  # (B, T/s, k, E)
-    counts = jnp.sum(onehot.reshape(b, pieces, t // pieces, k, num_experts), axis=2)  # (B, pieces, k, E)
-    every = jax.lax.all_gather(counts, axis_name)  # (s, B, pieces, k, E)
-    chunks = every[:, :, 0] if not zigzag else jnp.concatenate([every[:, :, 0], every[::-1, :, 1]])  # row order
-    before_chunk = jnp.cumsum(chunks, axis=0) - chunks  # (chunks, B, k, E)
+    counts = jnp.sum(onehot.reshape(b, m, t // m, k, num_experts), axis=2)  # (B, m, k, E)
+    every = jax.lax.all_gather(counts, axis_name)  # (s, B, m, k, E): layout order
+    every = jnp.moveaxis(every, 2, 1).reshape(n, b, k, num_experts)  # (n, B, k, E): piece order[i] at i
+    pieces = every[jnp.asarray([order.index(c) for c in range(n)])]  # (n, B, k, E): row order
+    before_piece = jnp.cumsum(pieces, axis=0) - pieces  # (n, B, k, E)
     r = jax.lax.axis_index(axis_name)
-    mine = jnp.stack([r, 2 * seq - 1 - r])[:pieces]
-    before_mine = jnp.moveaxis(before_chunk[mine], 0, 1)  # (B, pieces, k, E): the row's, before my chunks
-    total, local = jnp.sum(chunks, axis=0), jnp.sum(counts, axis=1)  # (B, k, E)
+    mine = jnp.asarray(order, jnp.int32)[r * m + jnp.arange(m)]  # (m,): my pieces' places in the row
+    before_mine = jnp.moveaxis(before_piece[mine], 0, 1)  # (B, m, k, E): the row's, before my pieces
+    total, local = jnp.sum(pieces, axis=0), jnp.sum(counts, axis=1)  # (B, k, E)
     before_choice = (jnp.cumsum(total, axis=1) - total) - (jnp.cumsum(local, axis=1) - local)  # (B, k, E)
-    before_piece = jnp.cumsum(counts, axis=1) - counts  # my earlier chunks' (counted in the local position)
-    extra = before_choice[:, None] + before_mine - before_piece  # (B, pieces, k, E)
-    extra = jnp.repeat(extra, t // pieces, axis=1)  # (B, T/s, k, E)
+    before_local = jnp.cumsum(counts, axis=1) - counts  # my earlier pieces' (counted in the local position)
+    extra = before_choice[:, None] + before_mine - before_local  # (B, m, k, E)
+    extra = jnp.repeat(extra, t // m, axis=1)  # (B, T/s, k, E)
     return jnp.sum(onehot * extra, axis=-1)
 
 

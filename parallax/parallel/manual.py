@@ -133,7 +133,7 @@ class Parallelism:
     tensor: int = 1
     seq: int = 1
     expert: int = 1  # expert parallelism (a model declaring "expert"); else the axis is a batch axis only
-    attention_kind: str = "dense"  # dense | ulysses | ring | allgather
+    attention_kind: str = "dense"  # dense | ulysses | ring | usp | allgather
     mesh_shape: tuple = ()
     rules: tuple = ()
     attention_block: int = 512  # blockwise attention tile (0: the reference, [T, T] logits)
@@ -143,6 +143,7 @@ class Parallelism:
     decoding: bool = False  # generating (parallax.generate), not training: e.g. a router may route every token
     vocab_axes: tuple = ()  # the head's vocabulary split over these axes (pipeline.vocab_parallel: pipe, tensor)
     seq_layout: str = "zigzag"  # all-gather attention's rows over seq: zigzag | balanced (`sequence.balanced_order`)
+    ulysses: int = 0  # usp: seq ranks per Ulysses group (the plan resolves model.ulysses_degree; divides seq)
 
     @property
     def manual(self) -> bool:
@@ -224,22 +225,28 @@ class Parallelism:
 
     def attention(self, q, k, v, segment_ids, positions):
         """Causal attention within packed documents on this rank's heads: dense when seq == 1, else Ulysses,
-        ring or all-gather over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) ->
+        ring, usp (Ulysses x ring) or all-gather over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) ->
         [B, T/s, H/t, Dh]."""
         if self.seq == 1:
             return self._attend(q, k, v, segment_ids, segment_ids, positions, positions)
         if self.attention_kind == "ulysses":
             return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend)
+        grouped = dict(self.mesh_shape).get("pipe", 1) > 1  # ring inside pipeline stages: `grouped_shift`
+        shifts = "; k|v shifted by all-to-alls within each stage's seq ranks)" if grouped else ")"
         if self.attention_kind == "ring":
-            grouped = dict(self.mesh_shape).get("pipe", 1) > 1  # inside pipeline stages: `grouped_shift`
-            log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised"
-                     + ("; k|v shifted by all-to-alls within each stage's seq ranks)" if grouped else ")"))
+            log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised" + shifts)
             return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq", grouped=grouped)
+        if self.attention_kind == "usp":
+            u = self.ulysses or self.seq
+            log_once(f"attention kernel: usp (Ulysses over groups of {u} seq ranks x ring over {self.seq // u} "
+                     "groups; online softmax per zigzag chunk pair" + shifts)
+            return sequence.usp_attention(q, k, v, segment_ids, positions, axis_name="seq", ulysses=u,
+                                          grouped=grouped, attend=self._attend)
         if self.attention_kind == "allgather":
             return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend,
                                                 platform=self.platform, zigzag=not self.balanced)
-        raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses', 'ring' "
-                         f"or 'allgather'")
+        raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses', 'ring', "
+                         f"'usp' or 'allgather'")
 
     def _attend(self, q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
         """Full-sequence attention on local heads: splash (`attention_impl`), blockwise (`attention_block` > 0)
@@ -327,10 +334,19 @@ class Parallelism:
             self, mesh_shape=tuple((a, n if a in MODEL_AXES else 1) for a, n in self.mesh_shape))
 
     @property
-    def zigzag(self) -> bool:
-        """Ring and all-gather attention take their sequence in the zigzag layout (`sequence.ring_layout`),
-        unless all-gather's rows are `balanced`."""
-        return self.attention_kind in ("ring", "allgather") and self.seq > 1 and not self.balanced
+    def piece_order(self):
+        """The static layout of each row over `seq` as a `sequence.pieces_layout` order (rank i holds pieces
+        order[i*n/s : (i+1)*n/s] of the n equal pieces of the row): zigzag for ring and all-gather
+        attention, `sequence.usp_order` for usp, None for a row split in order (Ulysses) or `balanced`
+        (an order per row, from the batch)."""
+        if self.seq == 1 or self.balanced:
+            return None
+        if self.attention_kind in ("ring", "allgather"):
+            return sequence.zigzag_order(self.seq)
+        if self.attention_kind == "usp":
+            order = sequence.usp_order(self.seq, self.ulysses or self.seq)
+            return None if order == tuple(range(len(order))) else order
+        return None
 
     @property
     def balanced(self) -> bool:
@@ -338,21 +354,26 @@ class Parallelism:
         work (`sequence.balanced_order`), per row, from the batch's segment ids and positions."""
         return self.attention_kind == "allgather" and self.seq > 1 and self.seq_layout == "balanced"
 
+    @property
+    def reordered(self) -> bool:
+        """Whether each seq rank's tokens are not simply its contiguous T/s of the row (`laid_out`)."""
+        return self.balanced or self.piece_order is not None
+
     def laid_out(self, batch: dict) -> dict:
         """[B, T] batch arrays in the order whose contiguous split over `seq` gives each rank its tokens:
-        zigzag or balanced (identity otherwise)."""
+        `piece_order` or balanced (identity otherwise)."""
         if self.balanced:
             t = batch["segment_ids"].shape[1]
             order = sequence.balanced_order(batch["segment_ids"], batch["positions"], self.seq,
                                             sequence.balanced_chunks(t // self.seq, self.attention_block))
             return jax.tree.map(lambda a: jnp.take_along_axis(a, order, axis=1), batch)
-        if self.zigzag:
-            return jax.tree.map(lambda a: sequence.ring_layout(a, self.seq, axis=1), batch)
+        if self.piece_order is not None:
+            return jax.tree.map(lambda a: sequence.pieces_layout(a, self.piece_order, axis=1), batch)
         return batch
 
     def local_sequence(self, batch: dict) -> dict:
-        """With `zigzag` or `balanced`: [B, T] batch arrays -> this rank's [B, T/s] of `laid_out`."""
-        if not (self.zigzag or self.balanced):
+        """When `reordered`: [B, T] batch arrays -> this rank's [B, T/s] of `laid_out`."""
+        if not self.reordered:
             return batch
         rank = jax.lax.axis_index("seq")
 
@@ -412,7 +433,7 @@ def shard_loss(loss_fn, par: Parallelism, mesh, param_logical, replicas: bool = 
     replica r's value, from its own parameters and rows. No collective runs over `replica`.
     """
     param_specs = par.param_specs(param_logical)
-    batch_spec = par.spec(("batch", None if par.zigzag or par.balanced else "length"))
+    batch_spec = par.spec(("batch", None if par.reordered else "length"))
     out_spec = P()
     if replicas:
         param_specs = jax.tree.map(lambda s: P(REPLICA, *s), param_specs, is_leaf=lambda s: isinstance(s, P))

@@ -1,4 +1,4 @@
-"""Sequence-parallel attention: the dense reference, Ulysses, ring and all-gather attention, and their checks.
+"""Sequence-parallel attention: the dense reference, Ulysses, ring, USP and all-gather attention, and their checks.
 
 Owns attention over a sequence sharded on the `seq` mesh axis. `ulysses_attention`, `ring_attention` and
 `allgather_attention` are called inside a `jax.shard_map` that is manual over `seq` (and usually `tensor`);
@@ -17,6 +17,9 @@ K' = kv heads after Ulysses' GQA repeat, max(K, s)):
   Backward: the two all-to-alls again (their transposes).
 - Ring: s-1 steps, each one collective-permute of packed k|v, 2*B*(T/s)*K*Dh*b bytes, and one of packed
   segment ids|positions, 2*B*(T/s)*4 bytes. Backward: s-1 collective-permutes of the k|v cotangents.
+- USP (s = u * r): Ulysses' all-to-alls within groups of u ranks (its bytes with s -> u; the ids|positions
+  gathered by one all-to-all of the same bytes), then ring's r-1 steps on the group's T/r tokens and H/u
+  heads: 2*B*(T/r)*(K'/u)*Dh*b bytes per collective-permute, the same per step as ring on s ranks.
 - All-gather: one all-gather of packed k|v, (s-1)/s * 2*B*T*K*Dh*b bytes received; one all-gather of packed
   segment ids|positions, B*T*2*4 (the same arrays in every layer, so XLA hoists it out of the layer loop).
   Backward: one reduce-scatter of the k|v cotangents, the same bytes (both in `tensor.reduction_dtype`: b = 4
@@ -38,10 +41,11 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def check_sequence_parallel(attention: str, seq_size: int, num_heads: int, num_kv_heads: int,
-                            seq_len: int) -> None:
+                            seq_len: int, ulysses: int = 0) -> None:
     """Raises a one-line ValueError naming the fix if `attention` cannot run on `seq_size` ranks.
 
-    `num_heads` / `num_kv_heads` are the heads each `seq` group sees (after any tensor-parallel split).
+    `num_heads` / `num_kv_heads` are the heads each `seq` group sees (after any tensor-parallel split);
+    `ulysses`: usp's Ulysses degree (0: `usp_degree`'s choice).
     """
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}: "
@@ -56,18 +60,38 @@ def check_sequence_parallel(attention: str, seq_size: int, num_heads: int, num_k
                          f"use a seq_len that is a multiple of {seq_size}")
     if attention == "ulysses":
         if num_heads % seq_size:
-            raise ValueError(f"ulysses: num_heads={num_heads} is not divisible by the seq axis size "
-                             f"{seq_size}: use a seq size dividing {num_heads} or attention='allgather'")
+            raise ValueError(f"ulysses: num_heads={num_heads} is not divisible by {seq_size} ranks: use a seq "
+                             f"size (usp: a ulysses_degree) dividing {num_heads}, or attention='usp' or 'allgather'")
         if num_kv_heads % seq_size and seq_size % num_kv_heads:
             raise ValueError(f"ulysses: num_kv_heads={num_kv_heads} neither divides nor is divisible by "
-                             f"the seq axis size {seq_size}: use a seq size that is a multiple or divisor "
-                             f"of {num_kv_heads}, or attention='allgather'")
+                             f"{seq_size} ranks: use a seq size (usp: a ulysses_degree) that is a multiple or "
+                             f"divisor of {num_kv_heads}, or attention='usp' or 'allgather'")
+    elif attention == "usp":
+        u = ulysses or usp_degree(seq_size, num_heads, num_kv_heads)
+        if seq_size % u:
+            raise ValueError(f"usp: ulysses_degree={u} does not divide the seq axis size {seq_size}: use a "
+                             f"divisor of {seq_size}")
+        check_sequence_parallel("ulysses", u, num_heads, num_kv_heads, seq_len // seq_size * u)
+        if seq_len % (2 * seq_size):
+            raise ValueError(f"usp: seq_len={seq_len} is not divisible by 2*seq={2 * seq_size} (zigzag layout of "
+                             f"its ring): use a seq_len that is a multiple of {2 * seq_size}")
     elif attention in ("ring", "allgather"):
         if seq_len % (2 * seq_size):
             raise ValueError(f"{attention}: seq_len={seq_len} is not divisible by 2*seq={2 * seq_size} (zigzag "
                              f"layout): use a seq_len that is a multiple of {2 * seq_size}")
     else:
-        raise ValueError(f"unknown attention {attention!r}: use 'dense', 'ulysses', 'ring' or 'allgather'")
+        raise ValueError(f"unknown attention {attention!r}: use 'dense', 'ulysses', 'ring', 'usp' or 'allgather'")
+
+
+def usp_degree(seq_size: int, num_heads: int, num_kv_heads: int) -> int:
+    """usp's default Ulysses degree on `seq_size` ranks: the largest proper divisor u of seq_size that the
+    heads of one `seq` group allow (`num_heads % u == 0`; kv heads divide u or u divides them), so the ring
+    part has at least 2 ranks and Ulysses, whose all-to-alls move 1/u of what a ring step moves per rank,
+    takes as much as it can. 1 (a plain ring) when no u > 1 fits."""
+    for u in range(seq_size // 2, 1, -1):
+        if seq_size % u == 0 and num_heads % u == 0 and not (num_kv_heads % u and u % num_kv_heads):
+            return u
+    return 1
 
 
 def _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions):
@@ -101,15 +125,22 @@ def attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_
 # Ulysses
 
 
-def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference):
+def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference,
+                      degree: int = 0):
     """All-to-all sequence <-> heads, full-sequence attention on H/s local heads, all-to-all back.
 
     Local shards: q [B, T/s, H, Dh]; k, v [B, T/s, K, Dh]; segment_ids, positions [B, T/s] (shards in
     rank order along `axis_name`). Returns [B, T/s, H, Dh]. Needs H % s == 0. GQA: if K % s != 0 but
     s % K == 0, each kv head is repeated s // K times before the all-to-all (so every rank gets the one
     kv head its H/s query heads use), which costs (s/K - 1) extra kv heads of all-to-all traffic.
+
+    `degree` u < s (usp): the all-to-alls run within groups of u consecutive ranks (`axis_index_groups`),
+    so `attend` sees the u ranks' T*u/s tokens on H/u heads; the segment ids / positions are gathered
+    within the group by one all-to-all too (shard_map implements groups for all-to-all only).
     """
-    s = jax.lax.axis_size(axis_name)
+    n = jax.lax.axis_size(axis_name)
+    s = degree or n
+    groups = None if s == n else [[g * s + j for j in range(s)] for g in range(n // s)]
     b, tl, h, dh = q.shape
     kh = k.shape[2]
     check_sequence_parallel("ulysses", s, h, kh, tl * s)
@@ -123,27 +154,58 @@ def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"
     qkv = jnp.concatenate([q.reshape(b, tl, s, h // s, dh),
                            k.reshape(b, tl, s, kh // s, dh),
                            v.reshape(b, tl, s, kh // s, dh)], axis=3)  # (B, T/s, s, (H+2K)/s, Dh)
-    qkv = jax.lax.all_to_all(qkv, axis_name, split_axis=2, concat_axis=1,
-                             tiled=True)  # (B, T, 1, (H+2K)/s, Dh)
+    qkv = jax.lax.all_to_all(qkv, axis_name, split_axis=2, concat_axis=1, tiled=True,
+                             axis_index_groups=groups)  # (B, T, 1, (H+2K)/s, Dh)
     hl, kl = h // s, kh // s
     q_h = qkv[:, :, 0, :hl]  # (B, T, H/s, Dh)
     k_h = qkv[:, :, 0, hl:hl + kl]  # (B, T, K/s, Dh)
     v_h = qkv[:, :, 0, hl + kl:]  # (B, T, K/s, Dh)
     seg_pos = jnp.stack([segment_ids, positions], axis=-1)  # (B, T/s, 2)
-    seg_pos = jax.lax.all_gather(seg_pos, axis_name, axis=1, tiled=True)  # (B, T, 2)
+    if groups is None:
+        seg_pos = jax.lax.all_gather(seg_pos, axis_name, axis=1, tiled=True)  # (B, T, 2)
+    else:  # every group member's block to every member: an all-gather within the group
+        copies = jnp.broadcast_to(seg_pos[None], (s, *seg_pos.shape))  # (s, B, T/s, 2)
+        seg_pos = jax.lax.all_to_all(copies, axis_name, 0, 2, tiled=True, axis_index_groups=groups)[0]  # (B, T, 2)
     seg, pos = seg_pos[..., 0], seg_pos[..., 1]  # (B, T) each
     out = attend(q_h, k_h, v_h, seg, seg, pos, pos)  # (B, T, H/s, Dh)
-    return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2,
-                              tiled=True)  # (B, T/s, H, Dh)
+    return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True,
+                              axis_index_groups=groups)  # (B, T/s, H, Dh)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Ring
 
 
-def _zigzag_order(s: int):
+def zigzag_order(s: int):
     """Chunk order of the zigzag layout: rank i holds chunks i and 2s-1-i of the 2s chunks."""
-    return [c for i in range(s) for c in (i, 2 * s - 1 - i)]
+    return tuple(c for i in range(s) for c in (i, 2 * s - 1 - i))
+
+
+def usp_order(s: int, u: int):
+    """Piece order of usp's layout on s = r*u ranks (`usp_attention`), in pieces of T/(2s): the zigzag
+    layout of the r ring groups (group g: chunks g and 2r-1-g of 2r), each group's two chunks cut into 2u
+    pieces and dealt to its u ranks in order. After the Ulysses all-to-all within the group every rank
+    holds the group's two chunks whole: the zigzag layout of its ring. u = 1 is `zigzag_order`, u = s the
+    sequence order."""
+    r = s // u
+    return tuple(c * u + q for g in range(r) for c in (g, 2 * r - 1 - g) for q in range(u))
+
+
+def pieces_layout(x, order, axis: int = 1):
+    """Cuts `axis` into len(order) equal pieces and concatenates pieces order[0], order[1], ...: contiguous
+    shards of the result over the seq ranks hold the pieces the layout gives them."""
+    t = x.shape[axis]
+    if t % len(order):
+        raise ValueError(f"sequence length {t} is not divisible into {len(order)} layout pieces: use a seq_len "
+                         f"that is a multiple of {len(order)}")
+    chunks = jnp.split(x, len(order), axis=axis)
+    return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def pieces_unlayout(x, order, axis: int = 1):
+    """Inverse of `pieces_layout`."""
+    chunks = jnp.split(x, len(order), axis=axis)
+    return jnp.concatenate([chunks[order.index(c)] for c in range(len(order))], axis=axis)
 
 
 def ring_layout(x, s: int, axis: int = 1):
@@ -156,8 +218,7 @@ def ring_layout(x, s: int, axis: int = 1):
     if t % (2 * s):
         raise ValueError(f"ring_layout: sequence length {t} is not divisible by 2*seq={2 * s}: "
                          f"use a seq_len that is a multiple of {2 * s}")
-    chunks = jnp.split(x, 2 * s, axis=axis)  # 2s x (..., T/2s, ...)
-    return jnp.concatenate([chunks[c] for c in _zigzag_order(s)], axis=axis)
+    return pieces_layout(x, zigzag_order(s), axis)
 
 
 def balanced_chunks(local_len: int, block: int) -> int:
@@ -202,9 +263,7 @@ def attention_work(segment_ids, positions, order, s: int):
 
 def ring_unlayout(x, s: int, axis: int = 1):
     """Inverse of `ring_layout`: zigzag layout back to sequence order."""
-    order = _zigzag_order(s)
-    chunks = jnp.split(x, 2 * s, axis=axis)  # 2s x (..., T/2s, ...)
-    return jnp.concatenate([chunks[order.index(c)] for c in range(2 * s)], axis=axis)
+    return pieces_unlayout(x, zigzag_order(s), axis)
 
 
 def _online_update(state, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
@@ -249,25 +308,29 @@ def _put(state, sl, part):
     return m.at[..., sl].set(pm), l.at[..., sl].set(pl), o.at[:, sl].set(po)
 
 
-def grouped_shift(x, axis_name: str = "seq"):
-    """`jax.lax.ppermute(x, axis_name, [(r, r + 1 mod s)])` as one all-to-all over `axis_name`: each rank
-    puts x in the slot of the next rank of an [s, ...] buffer (the others zeros) and keeps what the previous
-    rank put in its slot.
+def grouped_shift(x, axis_name: str = "seq", stride: int = 1):
+    """`jax.lax.ppermute(x, axis_name, [(r, r + stride mod n)])` as one all-to-all over `axis_name`: each
+    rank puts x in the slot of the next rank of its ring (an [s, ...] buffer, the others zeros) and keeps
+    what the previous rank put in its slot. `stride` > 1 (usp): the rings are the ranks equal mod `stride`,
+    s = n / stride each, and the all-to-all runs within each (`axis_index_groups`).
 
     Why: an XLA collective-permute has no replica groups (every device of the program takes part), so
     inside the pipeline executor's per-rank `lax.switch`, where pipeline ranks run different branches, XLA:CPU
     paired the permutes of different branches and exchanged the wrong blocks. An all-to-all has replica
     groups (the `seq` ranks of one pipeline rank), so it stays inside a stage. The price: the buffer is s
     blocks, of which s-1 travel (one of them real): at s = 2 the bytes of a permute, at s the s-1 fold."""
-    s = jax.lax.axis_size(axis_name)
-    r = jax.lax.axis_index(axis_name)
+    n = jax.lax.axis_size(axis_name)
+    s = n // stride
+    groups = None if stride == 1 else [[g * stride + j for g in range(s)] for j in range(stride)]
+    r = jax.lax.axis_index(axis_name) // stride  # the rank's place in its ring
     slots = jnp.zeros((s, *x.shape), x.dtype)
     slots = jax.lax.dynamic_update_index_in_dim(slots, x, (r + 1) % s, axis=0)
-    got = jax.lax.all_to_all(slots, axis_name, 0, 0, tiled=True)  # [s, ...]: slot i from rank i
+    got = jax.lax.all_to_all(slots, axis_name, 0, 0, tiled=True, axis_index_groups=groups)  # slot i from ring rank i
     return jax.lax.dynamic_index_in_dim(got, (r - 1) % s, axis=0, keepdims=False)
 
 
-def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", grouped: bool = False):
+def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", grouped: bool = False,
+                   stride: int = 1):
     """Causal ring attention with zigzag load balancing and exact online softmax.
 
     Local shards in `ring_layout` order: q [B, 2c, H, Dh]; k, v [B, 2c, K, Dh]; segment_ids, positions
@@ -290,15 +353,19 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
 
     `grouped`: the blocks move by `grouped_shift` (all-to-alls within each `seq` group) instead of
     collective-permutes: inside pipeline stages.
+
+    `stride` > 1 (usp's ring part): s = n / stride rings run side by side, each over the ranks equal mod
+    `stride` (rank i is place i // stride of its ring), and what is said above of s and i holds per ring.
     """
-    s = jax.lax.axis_size(axis_name)
+    n = jax.lax.axis_size(axis_name)
+    s = n // stride
     b, tl, h, dh = q.shape
     kh = k.shape[2]
     c = tl // 2
     if tl % 2:
         raise ValueError(f"ring_attention: local sequence length {tl} is odd: use a seq_len that is a "
                          f"multiple of 2*seq={2 * s}")
-    rank = jax.lax.axis_index(axis_name)
+    rank = jax.lax.axis_index(axis_name) // stride
     qg = q.reshape(b, tl, kh, h // kh, dh)  # (B, 2c, K, G, Dh)
     early, late = slice(0, c), slice(c, tl)
 
@@ -316,10 +383,10 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
 
     kv = jnp.stack([k, v])  # (2, B, 2c, K, Dh)
     kv_ids = jnp.stack([segment_ids, positions])  # (2, B, 2c)
-    perm = [(r, (r + 1) % s) for r in range(s)]
+    perm = [(r, (r + stride) % n) for r in range(n)]
 
     def shift(x):
-        return grouped_shift(x, axis_name) if grouped else jax.lax.ppermute(x, axis_name, perm)
+        return grouped_shift(x, axis_name, stride) if grouped else jax.lax.ppermute(x, axis_name, perm)
     for j in range(1, s):
         kv = shift(kv)  # (2, B, 2c, K, Dh) from rank (i - j) mod s
         kv_ids = shift(kv_ids)  # (2, B, 2c)
@@ -340,6 +407,33 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
     _, l, o = state
     out = o / jnp.moveaxis(l, 3, 1)[..., None]  # (B, 2c, K, G, Dh)
     return out.reshape(b, tl, h, dh).astype(q.dtype)  # (B, 2c, H, Dh)
+
+
+# ----------------------------------------------------------------------------------------------------
+# USP: Ulysses x ring
+
+
+def usp_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", ulysses: int,
+                  grouped: bool = False, attend=attention_reference):
+    """Unified sequence parallelism: Ulysses within groups of `ulysses` = u consecutive ranks, ring across
+    the r = s/u groups (rank i = g*u + j: Ulysses group g, ring j).
+
+    Local shards in `pieces_layout(.., usp_order(s, u))` order: q [B, T/s, H, Dh]; k, v [B, T/s, K, Dh];
+    segment_ids, positions [B, T/s]. Returns [B, T/s, H, Dh] in that layout. The Ulysses all-to-all within
+    group g gives each of its ranks the group's T/r tokens -- zigzag chunks g and 2r-1-g of 2r -- on H/u
+    heads (K/u kv heads, or one after the GQA repeat); ring attention then runs over the u rings, each the
+    ranks with the same heads (`ring_attention(stride=u)`), and the Ulysses all-to-all goes back. Heads
+    need only divide by u, and the ring pays r-1 steps instead of s-1; u = s is Ulysses (`attend` the local
+    kernel), u = 1 ring. `grouped`: the ring's shifts as all-to-alls (inside pipeline stages)."""
+    s = jax.lax.axis_size(axis_name)
+    if ulysses == 1:
+        return ring_attention(q, k, v, segment_ids, positions, axis_name=axis_name, grouped=grouped)
+    if ulysses == s:
+        return ulysses_attention(q, k, v, segment_ids, positions, axis_name=axis_name, attend=attend)
+
+    def ring(q, k, v, segment_ids, _kv_segment_ids, positions, _kv_positions):
+        return ring_attention(q, k, v, segment_ids, positions, axis_name=axis_name, grouped=grouped, stride=ulysses)
+    return ulysses_attention(q, k, v, segment_ids, positions, axis_name=axis_name, attend=ring, degree=ulysses)
 
 
 # ----------------------------------------------------------------------------------------------------

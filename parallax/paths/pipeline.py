@@ -61,7 +61,7 @@ class PipelinePath(StepPath):
         self.stage_aux = bool(jax.eval_shape(
             lambda c, x: model_lib.apply_blocks_aux(t.graphdef, c, x, t.mb)[1], one, t.x))
         self.routed = self._find_routed() if (
-            not (plan.parallelism.zigzag or plan.parallelism.balanced)
+            not plan.parallelism.reordered
             and plan.config.train.seq_len % (plan.sizes["seq"] * plan.sizes["pipe"]) == 0) else {}
         self.outer_par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
         self.stage_par = self._stage_parallelism()
@@ -169,8 +169,7 @@ class PipelinePath(StepPath):
         `replicas` (DiLoCo): every params leaf has a leading [R] dim (`Layout.replicas`)."""
         rest = {k: v for k, v in params.items() if k != "blocks"}
         to_layout = functools.partial(to_pipeline_layout, schedule=schedule)
-        laid_out = batch
-        laid_out = self.outer_par.laid_out(batch)  # zigzag or balanced: each seq rank's shard is then its own
+        laid_out = self.outer_par.laid_out(batch)  # zigzag, usp or balanced: each seq rank's shard is then its own
         return dict(
             **self.functions(),
             params={"first": _subtree(rest, self.first_keys),
