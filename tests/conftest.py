@@ -38,5 +38,27 @@ if os.environ.get("PARALLAX_TEST_NO_CACHE", "0") != "1":
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache_for_dualpipev(request):
+    """dualpipev's fused tick (a forward and another microbatch's backward in one scan over the layers) holds
+    collectives that do not depend on each other (each pass's FSDP gathers and tensor reductions). An XLA:CPU
+    executable of it *loaded from the persistent cache* (jaxlib 0.10.2) computes wrong values in about 1 of 6
+    executions; the same program freshly compiled was exact in every run, and so was the loaded one with the
+    passes one after the other (found 2026-12-04 with `jax.experimental.serialize_executable`: compile,
+    serialize, deserialize, run each 6 times). So the tests that run it write nothing to the cache (JAX decides
+    once per process whether the cache is on, so a later toggle would do nothing; a cache written before this
+    fixture existed: `make clean`)."""
+    if "dualpipev" not in request.node.nodeid:
+        yield
+        return
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)

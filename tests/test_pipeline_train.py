@@ -145,10 +145,10 @@ def reference7():
     return loss_grads_and_steps(config, jax.devices()[:1], steps=5)
 
 
-# Uneven layouts of 7 layers: explicit on 2 stages, `auto` on 4 (1F1B) and on the 4 stages of 2 ranks of zbv and
-# dualpipev.
-UNEVEN_CASES = [("1f1b", 2, "3,4"), ("1f1b", 4, "auto"), ("zbv", 2, "1,3,2,1"),
-                ("dualpipev", 2, "1,3,2,1")]  # its pairs run one after the other in one branch (unequal chunks)
+# Uneven layouts of 7 layers: explicit on 2 stages, `auto` on 4 (1F1B) and on the 4 stages of 2 ranks of zbv
+# (dualpipev places its chunks as zbv does; with unequal chunks its pairs run one after the other, the two
+# branches `tick` runs -- dropped for CI time, 2026-12-04).
+UNEVEN_CASES = [("1f1b", 2, "3,4"), ("1f1b", 4, "auto"), ("zbv", 2, "1,3,2,1")]
 
 
 @pytest.mark.slow
