@@ -65,7 +65,8 @@ def _mesh_axes(name, value):
     """Normalises a rule value to None, one mesh axis, or a tuple of mesh axes; rejects anything else."""
     if isinstance(value, str) and value.lower() in ("", "none"):
         return None
-    axes = (value,) if isinstance(value, str) else tuple(value or ())
+    # A str may list several axes, as the command line gives them: `--config.sharding.rules.embed=fsdp,seq`.
+    axes = tuple(a.strip() for a in value.split(",")) if isinstance(value, str) else tuple(value or ())
     axes = tuple(a for a in axes if not (a is None or (isinstance(a, str) and a.lower() == "none")))
     for axis in axes:
         if axis == REPLICA:

@@ -24,6 +24,15 @@ def tiny_config(model="llama", **mesh):
     return config
 
 
+def set_rule(config, name, axes):
+    """config.sharding.rules[name] = axes, a tuple of mesh axes (ConfigDict keeps a field's type, so a str
+    rule is deleted first)."""
+    with config.sharding.rules.unlocked():
+        del config.sharding.rules[name]
+        config.sharding.rules[name] = tuple(axes)
+    return config
+
+
 def launcher_command(script, *flags, unbuffered=False) -> list[str]:
     """The command line of `launch/<script>.py` run by this Python with `flags` (`unbuffered`: `python -u`,
     for a test that reads the output line by line while the run goes on)."""

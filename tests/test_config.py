@@ -10,6 +10,7 @@ from helpers import ROOT, run_launcher
 from parallax.config import apply_override
 from parallax.defaults import load_config_file
 from parallax.errors import ConfigError
+from parallax.sharding import make_rules
 from parallax.trainer import shape_check
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -44,6 +45,8 @@ def test_override_parses_to_the_key_type():
     apply_override(config, "sharding.rules.batch", "data,fsdp")
     assert (config.train.steps, config.optim.lr, config.train.async_checkpoint) == (7, 0.5, False)
     assert config.sharding.rules.batch == ("data", "fsdp")
+    apply_override(config, "sharding.rules.embed", "fsdp,seq")  # a str rule: several axes by commas
+    assert make_rules(dict(config.sharding.rules))["embed"] == ("fsdp", "seq")
     with pytest.raises(ConfigError, match="unknown key 'stepz'"):
         apply_override(config, "train.stepz", "1")
 

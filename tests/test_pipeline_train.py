@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_parity, loss_grads_and_steps, tiny_config
+from helpers import assert_parity, loss_grads_and_steps, set_rule, tiny_config
 from parallax.errors import ConfigError
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
@@ -69,7 +69,7 @@ MODEL_PARALLEL_CASES = [
     ("1f1b", dict(seq=4), "allgather", 5),  # 2 kv heads on 4 seq ranks: no head is split
     ("1f1b", dict(seq=2, tensor=2), "allgather", 5),
     ("1f1b", dict(seq=2, data=2), "ring", 5),  # k|v shifted by all-to-alls within a stage (grouped_shift)
-    ("zbv", dict(seq=2, tensor=2), "ring", 5),
+    ("zbv", dict(seq=2, tensor=2, zero_seq=True), "ring", 5),  # rules embed -> (fsdp, seq): weights over seq too
     ("1f1b", dict(seq=4), "usp", 5),  # Ulysses over pairs x ring over 2 pairs, the ring's shifts all-to-alls
 ]
 
@@ -80,8 +80,13 @@ MODEL_PARALLEL_CASES = [
                               for s, m, a, _ in MODEL_PARALLEL_CASES])
 def test_pipeline_with_tensor_and_sequence_parallel_stages_matches_single_device(
         reference, schedule, mesh, attention, steps):
+    mesh = dict(mesh)
+    zero_seq = mesh.pop("zero_seq", False)
     config = _config(schedule, pipe=2, **mesh)
     config.model.attention = attention
+    if zero_seq:  # the stages gather each layer's shards over seq as over FSDP
+        set_rule(config, "embed", ("fsdp", "seq"))
+        assert Trainer(config, devices=jax.devices()).param_shardings["blocks"]["wq"].spec[:2] == ("pipe", "seq")
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps), reference, TOL)
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_parity, loss_grads_and_steps, tiny_config
+from helpers import assert_parity, loss_grads_and_steps, set_rule, tiny_config
 from parallax import hlo
 from parallax.errors import ConfigError
 from parallax.parallel.sequence import usp_degree
@@ -22,10 +22,12 @@ from parallax.trainer import Trainer
 TOL = 1e-5
 
 
-def _config(attention="dense", kv_heads=2, **mesh):
+def _config(attention="dense", kv_heads=2, zero_seq=False, **mesh):
     config = tiny_config(**mesh)
     config.model.attention = attention
     config.model.num_kv_heads = kv_heads
+    if zero_seq:  # weights, gradients and optimizer state sharded over fsdp x seq, gathered per layer
+        set_rule(config, "embed", ("fsdp", "seq"))
     return config
 
 
@@ -48,7 +50,7 @@ PARITY_MESHES = [
     dict(data=2, seq=4, attention="ulysses"),  # 2 kv heads on 4 seq ranks: Ulysses repeats them
     dict(data=2, seq=4, attention="ring"),
     dict(fsdp=2, seq=2, tensor=2, attention="ulysses"),
-    dict(fsdp=2, seq=2, tensor=2, attention="ring"),
+    dict(fsdp=2, seq=2, tensor=2, attention="ring", zero_seq=True),  # rules embed -> (fsdp, seq)
     dict(data=2, seq=4, attention="allgather"),  # 2 kv heads on 4 seq ranks: no head constraint
     dict(data=2, seq=4, attention="usp"),  # Ulysses over pairs of seq ranks x ring over 2 (auto: 2 kv heads)
 ]
@@ -57,7 +59,10 @@ PARITY_MESHES = [
 @pytest.mark.parametrize("mesh", PARITY_MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
 def test_loss_grads_and_steps_match_single_device(references, mesh):
     kv_heads = mesh.get("kv_heads", 2)
-    assert_parity(loss_grads_and_steps(_config(**mesh), jax.devices()), references(kv_heads), TOL)
+    config = _config(**mesh)
+    if mesh.get("zero_seq"):  # each rank stores 1/(fsdp x seq) of a weight's rows
+        assert Trainer(config, devices=jax.devices()).param_shardings["blocks"]["wq"].spec[1] == ("fsdp", "seq")
+    assert_parity(loss_grads_and_steps(config, jax.devices()), references(kv_heads), TOL)
 
 
 # Per layer and step, in the forward and in the backward loop body (the table in docs/parallelism.md).

@@ -56,8 +56,13 @@ from parallax.parallel import cudnn, flash, sequence, splash, tensor, vocab
 from parallax.sharding import (activation_context, constrain, is_logical_names, logical_to_spec, param_logical_names,
                                spec_axes, with_replica_rows)
 
-# Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered.
+# The model axes: what the manual region's code splits activations over.
 MODEL_AXES = ("seq", "tensor")
+# Axes whose parameter shards the model uses as they are; a weight sharded over any other axis is gathered,
+# `seq` included: rules such as embed -> (fsdp, seq) shard the weights, their gradients and optimizer state over
+# the seq ranks too (ZeRO over the context ranks, as MaxText's rules and Megatron's distributed optimizer do),
+# gathered one layer at a time like FSDP's shards.
+WEIGHT_AXES = ("tensor",)
 # ... and a dim named `experts` keeps its split over `expert`: each expert rank computes with its own experts.
 # Another dim sharded over `expert` (e.g. rules embed -> (fsdp, expert): ZeRO over the expert ranks too) is
 # gathered like FSDP.
@@ -158,12 +163,13 @@ class Parallelism:
 
     def unshard(self, w, names, dtype=None):
         """All-gathers the dims of weight `w` (logical `names`) sharded over non-model axes, e.g. FSDP's
-        `embed -> fsdp`; the `tensor` split stays. Identity for `DENSE`. Its gradient is a reduce-scatter.
+        `embed -> fsdp` (or `(fsdp, seq)`); the `tensor` split stays. Identity for `DENSE`. Its gradient is a
+        reduce-scatter.
         With `dtype` the shard is cast first, so the gather moves (and the layer holds) `dtype` bytes; the
         gradient is still reduce-scattered in fp32 and cast back (`_gather_cast`)."""
         w_dtype = jnp.dtype(w.dtype)  # the gradient's dtype, however many dims are gathered
         for dim, entry in enumerate(self.spec(names) if self.mesh_shape else ()):
-            kept = (*MODEL_AXES, EXPERT_AXES.get(names[dim]))
+            kept = (*WEIGHT_AXES, EXPERT_AXES.get(names[dim]))
             gather = tuple(a for a in spec_axes(entry) if a not in kept)
             if gather:
                 w = checkpoint_name(_gather_cast(w, gather, dim, jnp.dtype(dtype or w.dtype), w_dtype), GATHERED)
@@ -329,9 +335,14 @@ class Parallelism:
         """This description for weights that are whole over every axis but `seq` / `tensor`: the pipeline's
         first / last parts (the compiler gathers their FSDP shards once per step, outside the region), and
         weights already `gathered`.
-        `spec` then names only those axes and `unshard` is the identity; `sum_tokens` is not for it."""
+        `spec` then names only those axes and `unshard` is the identity; `sum_tokens` is not for it. A weight
+        rule naming `seq` (ZeRO over the seq ranks, `WEIGHT_AXES`) is dropped here: those weights are whole over
+        `seq` too; only `length` (activations) keeps it."""
+        def whole_over_seq(name, axes):
+            return axes if name == "length" else (tuple(a for a in spec_axes(axes) if a != "seq") or None)
         return dataclasses.replace(
-            self, mesh_shape=tuple((a, n if a in MODEL_AXES else 1) for a, n in self.mesh_shape))
+            self, mesh_shape=tuple((a, n if a in MODEL_AXES else 1) for a, n in self.mesh_shape),
+            rules=tuple((name, whole_over_seq(name, axes)) for name, axes in self.rules))
 
     @property
     def piece_order(self):

@@ -25,7 +25,7 @@ from parallax import sharding
 from parallax.compat import dce_jaxpr
 from parallax.errors import ConfigError
 from parallax.parallel import sequence
-from parallax.parallel.manual import DENSE, MODEL_AXES
+from parallax.parallel.manual import DENSE, WEIGHT_AXES
 from parallax.paths.base import StepPath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import from_pipeline_layout, to_pipeline_layout
@@ -122,12 +122,12 @@ class PipelinePath(StepPath):
     def _stage_parallelism(self):
         """What the stages run with: FSDP shards gathered per layer inside the stage (`par.weight`) when the
         model reads its weights through `par.weight` (it declares `parallel_axes`) and every axis its block
-        weights are sharded over, besides seq / tensor, is a batch axis; else the weights enter whole over
+        weights are sharded over, besides tensor, is a batch axis or seq; else the weights enter whole over
         those axes (the compiler gathers them once per step, before the region)."""
         plan = self.plan
         specs = jax.tree.leaves(plan.parallelism.param_specs(plan.logical["blocks"]))
-        gathered = {a for s in specs for e in s[1:] for a in sharding.spec_axes(e)} - set(MODEL_AXES)
-        if plan.model_class.parallel_axes and gathered <= set(plan.batch_axes):
+        gathered = {a for s in specs for e in s[1:] for a in sharding.spec_axes(e)} - set(WEIGHT_AXES)
+        if plan.model_class.parallel_axes and gathered <= {*plan.batch_axes, "seq"}:
             return plan.parallelism
         return self.outer_par
 
