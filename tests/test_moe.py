@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from helpers import ROOT, assert_parity, loss_grads_and_steps, run_launcher
+from helpers import ROOT, assert_parity, loss_grads_and_steps, run_launcher, set_rule
 from parallax import hlo
 from parallax.defaults import load_config_file
 from parallax.errors import ConfigError
@@ -563,16 +563,19 @@ def test_bad_moe_config_raises_one_line_error_naming_the_fix(mesh, moe, match):
 @pytest.mark.parametrize("attention,mesh", [
     ("ring", dict(expert=2, seq=2, data=2)),  # zigzag: each rank holds two chunks of a row
     ("allgather", dict(expert=2, seq=2, tensor=2)),  # zigzag, the rows gathered over tensor
-    ("ulysses", dict(expert=2, seq=2, fsdp=2)),  # contiguous: each rank holds one chunk
+    ("ulysses", dict(expert=2, seq=2, fsdp=2)),  # contiguous: each rank holds one chunk; weights over fsdp x seq
     ("usp", dict(expert=2, seq=4)),  # usp's layout: rank r holds quarter (0, 3, 1, 2)[r] of a row
 ], ids=["ring-expert=2,seq=2,data=2", "allgather-expert=2,seq=2,tensor=2", "ulysses-expert=2,seq=2,fsdp=2",
         "usp-expert=2,seq=4"])
 def test_sequence_parallel_drops_and_balances_as_one_device(capacity_reference, attention, mesh):
     """Rows split over `seq` with capacity drops (factor 0.5): each rank routes its own tokens, and the
     counts of the other ranks' chunks place its assignments in the row, so the same ones drop; the balance
-    loss takes the whole row's load. Loss, every gradient and 2 steps match one device."""
+    loss takes the whole row's load. Loss, every gradient and 2 steps match one device. The Ulysses case
+    also shards the weights over the seq ranks (rules embed -> (fsdp, seq))."""
     config = moe_config(capacity_factor=0.5, **mesh)
     config.model.attention = attention
+    if attention == "ulysses":
+        set_rule(config, "embed", ("fsdp", "seq"))
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps=2), capacity_reference, TOL)
 
 
