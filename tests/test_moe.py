@@ -73,10 +73,7 @@ def test_dense_first_layers_and_shared_experts_match_single_device():
 
 def test_zero3_over_expert_ranks_matches_single_device(reference):
     """rules embed -> (fsdp, expert): non-expert weights sharded over the expert ranks too, gathered per layer."""
-    config = moe_config(expert=2, fsdp=2, data=2)
-    with config.sharding.rules.unlocked():
-        del config.sharding.rules["embed"]  # a str rule becomes a tuple (ConfigDict keeps a field's type)
-        config.sharding.rules["embed"] = ("fsdp", "expert")
+    config = set_rule(moe_config(expert=2, fsdp=2, data=2), "embed", ("fsdp", "expert"))
     assert_parity(loss_grads_and_steps(config, jax.devices()), reference, TOL)
 
 
