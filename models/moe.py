@@ -79,7 +79,7 @@ MOE_DEFAULTS = dict(
     grouped_impl="auto",  # grouped matmuls (ragged, or expert=1): auto (megablox on TPU) | ragged_dot | megablox
     ff_chunks=1,  # grouped matmuls: the expert width in this many slices, one live at a time (memory)
     ep_buffer=0.0,  # ragged over mesh.expert: receive buffer in balanced shares (0: worst case, dropless)
-    dispatch_chunks=1,  # capacity over expert > 1: this many row groups, so all-to-alls overlap expert matmuls
+    dispatch_chunks=1,  # over expert > 1: this many row groups (capacity: all-to-alls overlap matmuls; ragged: memory)
     balance_weight=0.01,  # Switch load-balancing loss weight
     z_weight=0.001,  # router z-loss weight
     bias_rate=0.0,  # aux-loss-free balancing: bias step per optimizer step (0: off)
@@ -302,7 +302,7 @@ class MoEBlocks(llama.Blocks):
                 return grouped
             if par.expert > 1:
                 return ep_lib.moe_ragged_ep(h, idx, gates, moe.num_experts, grouped_with(_whole, (wg, wu, wd)),
-                                            par.expert, buffer=float(moe.ep_buffer))
+                                            par.expert, buffer=float(moe.ep_buffer), chunks=moe.dispatch_chunks)
             names = [p.logical[1:] for p in (self.we_gate, self.we_up, self.we_down)]  # one layer's
             if offset is not None:  # inside the manual region: no per-shard split to make
                 return ep_lib.moe_ragged(h, idx, gates, moe.num_experts, grouped_with(_whole, (wg, wu, wd)), cap,
@@ -411,9 +411,9 @@ class MoE(Model):
                 raise ConfigError(f"config.model.moe.ff_chunks={moe.ff_chunks}: d_ff_expert={moe.d_ff_expert} / "
                                   f"mesh.tensor={tp} is not divisible by it; use a divisor")
         if moe.dispatch_chunks > 1:
-            if grouped:
-                raise ConfigError(f"config.model.moe.dispatch_chunks={moe.dispatch_chunks}: chunks apply to "
-                                  f"dispatch='capacity' across mesh.expert > 1 only {where}; set dispatch_chunks=1")
+            if ep == 1:
+                raise ConfigError(f"config.model.moe.dispatch_chunks={moe.dispatch_chunks}: chunks apply to the "
+                                  f"dispatch across mesh.expert > 1 only {where}; set dispatch_chunks=1")
             batch_ranks = sizes["data"] * sizes["fsdp"] * ep
             mbs = config.pipeline.microbatches if sizes["pipe"] > 1 else config.train.microbatches
             rows = config.train.global_batch_size // max(1, mbs * batch_ranks)

@@ -283,8 +283,10 @@ def test_ragged_all_to_all_emulation_follows_the_primitives_documented_example()
     np.testing.assert_array_equal(run(*args), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-@pytest.mark.parametrize("ep", [3])  # 3 senders, 2 experts each (2 more costs ~1 min of CI for no new path)
-def test_ragged_dispatch_across_expert_ranks_equals_per_expert_loop_and_its_gradients(ep):
+# 3 senders, 2 experts each (2 more costs ~1 min of CI for no new path); chunks=2: each rank's 2 rows one at a
+# time (`moe.dispatch_chunks`), exact when dropless.
+@pytest.mark.parametrize("ep,chunks", [(3, 1), (3, 2)])
+def test_ragged_dispatch_across_expert_ranks_equals_per_expert_loop_and_its_gradients(ep, chunks):
     """`moe_ragged_ep` (one ragged all-to-all each way, offsets from a count table) with the primitive
     emulated (XLA:CPU lacks it): outputs equal the per-expert loop; gradients equal the one-rank path's."""
     h, idx, gates, wg, wu, wd = _random_routing(e=6, b=6)
@@ -293,7 +295,7 @@ def test_ragged_dispatch_across_expert_ranks_equals_per_expert_loop_and_its_grad
 
     def per_rank(h, idx, gates, wg, wu, wd):
         out, keep, load = ep_lib.moe_ragged_ep(h, idx, gates, e, _ragged_swiglu(wg, wu, wd), ep,
-                                               exchange=ep_lib.ragged_all_to_all_by_all_to_all)
+                                               exchange=ep_lib.ragged_all_to_all_by_all_to_all, chunks=chunks)
         return out, load
 
     run = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert")))
@@ -332,23 +334,28 @@ def _expected_keep(idx, e, ep, rows_cap):
     return keep
 
 
-def test_ragged_across_expert_ranks_with_a_bounded_buffer_drops_exactly_what_does_not_fit():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_ragged_across_expert_ranks_with_a_bounded_buffer_drops_exactly_what_does_not_fit(chunks):
     """`moe_ragged_ep(buffer=1)` (each rank receives at most its balanced share) on a routing skewed to one
     rank's experts: the kept assignments are the rule's (numpy, above), the output is the per-expert loop
-    over the kept ones, and the gradients equal the one-rank path's with the dropped gates zeroed."""
+    over the kept ones, and the gradients equal the one-rank path's with the dropped gates zeroed. With
+    `chunks` the rule holds per row group: group c of every rank, a buffer of its balanced share."""
     ep, e = 2, 4
     h, idx, gates, wg, wu, wd = _random_routing(e=e, b=4)
     idx = jnp.where(jnp.arange(idx.shape[1])[None, :, None] % 3 == 0, idx % 2, idx)  # rank 0's experts favoured
     idx = jnp.sort(idx, axis=-1)
     idx = idx.at[..., 1].set(jnp.where(idx[..., 1] == idx[..., 0], (idx[..., 0] + 1) % e, idx[..., 1]))
-    n = (idx.shape[0] // ep) * idx.shape[1] * idx.shape[2]
-    want_keep = _expected_keep(np.asarray(idx), e, ep, n)
+    per, rows = idx.shape[0] // ep, idx.shape[0] // (ep * chunks)  # rows per rank, per rank and group
+    want_keep = np.zeros(idx.shape, bool)
+    for c in range(chunks):  # group c: rows [r * per + c * rows, ... + rows) of every rank r
+        picked = np.concatenate([np.arange(r * per + c * rows, r * per + (c + 1) * rows) for r in range(ep)])
+        want_keep[picked] = _expected_keep(np.asarray(idx)[picked], e, ep, rows * idx.shape[1] * idx.shape[2])
     assert 0 < (~want_keep).sum() < want_keep.size  # the routing overflows one buffer, not everything
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:ep]), ("expert",))
 
     def per_rank(h, idx, gates, wg, wu, wd):
         out, keep, _ = ep_lib.moe_ragged_ep(h, idx, gates, e, _ragged_swiglu(wg, wu, wd), ep, buffer=1.0,
-                                            exchange=ep_lib.ragged_all_to_all_by_all_to_all)
+                                            exchange=ep_lib.ragged_all_to_all_by_all_to_all, chunks=chunks)
         return out, keep
     run = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert")))
     out, keep = run(h, idx, gates, wg, wu, wd)
@@ -538,7 +545,7 @@ def test_moe_metrics_reach_metrics_jsonl(tmp_path):
     (dict(data=8), dict(router="topk"), "router='topk': expected one of softmax, sigmoid"),
     (dict(tensor=8), dict(d_ff_expert=36), "d_ff_expert=36: not divisible by mesh.tensor=8"),
     (dict(expert=2, data=4), dict(dispatch_chunks=3), "dispatch_chunks=3: does not divide the 2 rows per rank"),
-    (dict(data=8), dict(dispatch_chunks=2), "chunks apply to dispatch='capacity' across mesh.expert > 1 only"),
+    (dict(data=8), dict(dispatch_chunks=2), "chunks apply to the dispatch across mesh.expert > 1 only"),
     (dict(data=8), dict(grouped_impl="triton"), "grouped_impl='triton': expected one of auto, ragged_dot, megablox"),
     (dict(expert=2, data=4), dict(ff_chunks=2), "ff_chunks=2: applies to the grouped matmuls"),
     (dict(tensor=2, data=4), dict(ff_chunks=3, dispatch="ragged"), "ff_chunks=3: d_ff_expert=32 / mesh.tensor=2"),

@@ -44,6 +44,9 @@ into a static buffer, the senders' rows packed sender-major: by default ep * B*T
 every rank could choose this rank's experts: dropless), or `moe.ep_buffer` balanced shares, past which a
 sender's rows are dropped. With several experts per rank a local sort makes the rows expert-major; the
 experts run over windows of about B*T*k rows one after another, and the outputs go back the same way.
+With `moe.dispatch_chunks` the rank's rows go through all of it in groups, one after another (a
+rematerialised scan): every buffer is sized for one group, so dropless (`ep_buffer` 0) costs what a
+bounded buffer did.
 XLA:CPU does not implement `ragged_all_to_all`, so the model's config check rejects
 it there (use the capacity path with capacity_factor 0); the tests run this function on CPU with
 `ragged_all_to_all_by_all_to_all`, an exact emulation of the primitive's semantics (padded all-to-alls),
@@ -239,7 +242,36 @@ def ragged_all_to_all_by_all_to_all(operand, output, input_offsets, send_sizes, 
 
 
 def moe_ragged_ep(h, expert_idx, gates, num_experts: int, grouped_fn, ep: int,
-                  exchange=jax.lax.ragged_all_to_all, buffer: float = 0.0):
+                  exchange=jax.lax.ragged_all_to_all, buffer: float = 0.0, chunks: int = 1):
+    """`_moe_ragged_ep` over `chunks` row groups of this rank's B rows (`moe.dispatch_chunks`), one after
+    another in a rematerialised `lax.scan`: every buffer of the dispatch (sorted rows, receive buffer,
+    returned rows, the experts' windows) is sized for one group and exists for one group at a time,
+    forward and backward. With `buffer` 0 the result is exactly one pass's (dropless either way); with
+    `buffer` f each group's receive buffer holds f balanced shares of the group, so what drops is decided
+    per group. The price: the experts' forward once more in the backward, and 2 * chunks smaller ragged
+    all-to-alls each way. The weights' gradient is summed over the groups in their (compute) dtype, as
+    over the windows."""
+    b = h.shape[0]
+    if chunks <= 1:
+        return _moe_ragged_ep(h, expert_idx, gates, num_experts, grouped_fn, ep, exchange, buffer)
+    if b % chunks:
+        raise ValueError(f"moe.dispatch_chunks={chunks} does not divide this rank's {b} rows per microbatch; "
+                         f"use a divisor of {b}")
+
+    @jax.checkpoint
+    def group(h, idx, gates):
+        return _moe_ragged_ep(h, idx, gates, num_experts, grouped_fn, ep, exchange, buffer)
+
+    def step(carry, args):
+        return carry, group(*args)
+
+    def split(a):
+        return a.reshape(chunks, b // chunks, *a.shape[1:])
+    _, outs = jax.lax.scan(step, None, (split(h), split(expert_idx), split(gates)))
+    return tuple(a.reshape(b, *a.shape[2:]) for a in outs)
+
+
+def _moe_ragged_ep(h, expert_idx, gates, num_experts: int, grouped_fn, ep: int, exchange, buffer: float):
     """The routed experts' output [B, T, D] across `ep` expert ranks (inside the manual region):
     `grouped_fn(xs [M, D], group_sizes [E/ep]) -> [M, D]` runs this rank's experts on rows grouped by
     local expert (rows past the groups' total are padding). Returns (output, keep [B, T, k], load [B, E]).
