@@ -58,6 +58,7 @@ def test_plan_compiles_for_a_tpu_topology_and_checks_the_mesh_against_its_device
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "4 x TPU v5 (--topology=v5p:2x2x1, compiled by XLA:TPU" in run.stdout
     assert run.stdout.strip().splitlines()[-1].endswith("hbm_gib=95 fits=yes")  # v5p's HBM by default
+    assert "| the compiler's peak (peak_memory_in_bytes" in run.stdout  # XLA:TPU's own, beside the sum
     mismatched = _plan(*args, "--config.mesh.data=8")
     assert mismatched.returncode == 2
     assert "(4 devices)" in mismatched.stderr and "has 8 devices" in mismatched.stderr
@@ -128,6 +129,7 @@ def test_offloaded_layer_inputs_and_optimizer_state_leave_the_chip_on_the_tpu_co
     assert full.host_arguments == 0 and both.host_arguments >= both.optimizer, (both.host_arguments, both.optimizer)
     assert both.xla_arguments <= full.xla_arguments - both.optimizer
     assert "host memory" in both.table()
+    assert 0 < both.peak <= both.bound and 0 < full.peak <= full.bound
 
 
 def test_plan_for_a_tpu_topology_without_libtpu_says_how_to_install_it():
@@ -135,6 +137,16 @@ def test_plan_for_a_tpu_topology_without_libtpu_says_how_to_install_it():
         pytest.skip("libtpu is installed")
     run = _plan(f"--config={ROOT}/configs/tiny.py", "--topology=v5p:2x2x1", "--config.mesh.data=-1")
     assert run.returncode == 2 and "pip install -e '.[tpu]'" in run.stderr
+
+
+def test_peak_is_the_compilers_own_where_reported_and_never_above_the_sum():
+    """XLA:TPU's `peak_memory_in_bytes` (host buffers included) and args + outputs + temp - aliased both
+    bound the chip's peak from above: the report takes the lower; without the compiler's, the sum."""
+    sizes = dict(params=1, optimizer=1, gradients=1, batch=1, xla_arguments=10, xla_outputs=10, xla_aliased=10)
+    assert MemoryReport(**sizes, xla_temp=100).peak == 110
+    assert MemoryReport(**sizes, xla_temp=100, xla_peak=70).peak == 70
+    assert MemoryReport(**sizes, xla_temp=50, xla_peak=70).peak == 60  # offload: host buffers in the 70
+    assert "the compiler's peak" in MemoryReport(**sizes, xla_temp=100, xla_peak=70).table()
 
 
 def test_advice_for_activations_names_the_pipeline_knobs_when_pipelined():
