@@ -7,7 +7,8 @@ an analytic estimate; nothing is allocated, no accelerator is needed.
 Without --topology it compiles for N simulated CPU devices (XLA:CPU's figures); N defaults to the product of
 the config's mesh sizes (so a config for real hardware spells its mesh out; with an axis of -1, pass
 --devices). With --topology it compiles for that TPU slice's chips with libtpu (the TPU compiler's own
-figures; `pip install -e '.[tpu]'`, Python 3.12), and --hbm_gib defaults to the chip's HBM. The last line
+figures; `pip install -e '.[tpu]'`, Python 3.12), and --hbm_gib defaults to the chip's HBM; there the peak
+is the lower of the buffers' sum and the compiler's own peak (docs/memory.md, "Which peak"). The last line
 is `peak_gib=X hbm_gib=Y fits=yes|no`; the exit status is 0 when it fits, 1 when it does not (with what to
 change), 2 for a config error.
 """
