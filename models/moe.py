@@ -414,7 +414,7 @@ class MoE(Model):
             if ep == 1:
                 raise ConfigError(f"config.model.moe.dispatch_chunks={moe.dispatch_chunks}: chunks apply to the "
                                   f"dispatch across mesh.expert > 1 only {where}; set dispatch_chunks=1")
-            batch_ranks = sizes["data"] * sizes["fsdp"] * ep
+            batch_ranks = sizes["data"] * sizes["fsdp"] * ep * sizes.get("replica", 1)  # DiLoCo replicas split it too
             mbs = config.pipeline.microbatches if sizes["pipe"] > 1 else config.train.microbatches
             rows = config.train.global_batch_size // max(1, mbs * batch_ranks)
             if rows % moe.dispatch_chunks:

@@ -248,9 +248,9 @@ def moe_ragged_ep(h, expert_idx, gates, num_experts: int, grouped_fn, ep: int,
     returned rows, the experts' windows) is sized for one group and exists for one group at a time,
     forward and backward. With `buffer` 0 the result is exactly one pass's (dropless either way); with
     `buffer` f each group's receive buffer holds f balanced shares of the group, so what drops is decided
-    per group. The price: the experts' forward once more in the backward, and 2 * chunks smaller ragged
-    all-to-alls each way. The weights' gradient is summed over the groups in their (compute) dtype, as
-    over the windows."""
+    per group. The price: each group's forward, all-to-alls included, runs again in the backward (up to 1.5x
+    the all-to-all bytes of an unchunked step without remat), in 2 * chunks smaller exchanges each way. The
+    weights' gradient is summed over the groups in their (compute) dtype, as over the windows."""
     b = h.shape[0]
     if chunks <= 1:
         return _moe_ragged_ep(h, expert_idx, gates, num_experts, grouped_fn, ep, exchange, buffer)
