@@ -535,7 +535,7 @@ def bench_overlap(topology: str):
     print(f"{len(devices)} x {devices[0].device_kind} ({topology}), LIBTPU_INIT_ARGS="
           f"{os.environ.get('LIBTPU_INIT_ARGS', '')!r}\n")
     print("| schedule | async all-to-alls | with compute inside | of the forward beside a backward: enclosing "
-          "the other microbatch's compute (ops) | of the backward beside a forward: idem | peak GiB |")
+          "the other microbatch's compute (ops) | of the backward beside a forward: idem | sum of buffers GiB |")
     print("|---|---|---|---|---|---|")
     for schedule in ("zbv", "dualpipev"):
         config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
@@ -549,13 +549,13 @@ def bench_overlap(topology: str):
         _, compiled = compile_step(config, devices)
         windows = hlo.collective_windows(compiled.as_text())
         m = compiled.memory_analysis()
-        peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
         def lane(k):
             mine = [w for w in windows if w["lane"] == k]
             return f"{sum(w['other'] > 0 for w in mine)} of {len(mine)} ({sum(w['other'] for w in mine)})"
         print(f"| {schedule} | {len(windows)} | {sum(w['compute'] > 0 for w in windows)} | {lane(0)} | {lane(1)} | "
-              f"{peak / 2**30:.2f} |")
+              f"{total / 2**30:.2f} |")
 
 
 def bench_packs(rows: int = 16, seq_len: int = 131072, block: int = 512):

@@ -142,8 +142,17 @@ def _bound(m) -> int:
 
 
 def _xla_peak(m, platform: str) -> int:
-    """The compiler's own peak where it is one (XLA:TPU; see the module docstring), else 0."""
-    return int(getattr(m, "peak_memory_in_bytes", 0) or 0) if platform == "tpu" else 0
+    """The compiler's own peak where it is one (XLA:TPU; see the module docstring), else 0. A figure below
+    the arguments cannot be the chip's high-water mark (it would be a heap-only count, as XLA:CPU's is
+    arguments-only): then 0, and the report keeps the sum rather than say a step fits that may not."""
+    if platform != "tpu":
+        return 0
+    peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+    return peak if peak >= m.argument_size_in_bytes else 0
+
+
+def _peak(m, platform: str) -> int:
+    return min(_xla_peak(m, platform) or _bound(m), _bound(m))
 
 
 def compile_step(config, devices=None):
@@ -159,11 +168,9 @@ def compile_step(config, devices=None):
     # fit still gets its full figures.
     options = {"xla_tpu_no_crash_on_oom": True} if devices[0].platform == "tpu" else None
 
-    def peak(compiled):
-        m = compiled.memory_analysis()
-        return min(_xla_peak(m, devices[0].platform) or _bound(m), _bound(m))
     return trainer, max((trainer.step_program(kind).lower(state, batch).compile(compiler_options=options)
-                         for kind in trainer.path.step_kinds()), key=peak)
+                         for kind in trainer.path.step_kinds()),
+                        key=lambda compiled: _peak(compiled.memory_analysis(), devices[0].platform))
 
 
 def memory_report(config, devices=None) -> MemoryReport:
