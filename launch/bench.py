@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from parallax.pipeline.schedule import KINDS  # noqa: E402 (numpy only: before jax starts)
+
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
                                   "diloco", "overlap", "packs"],
@@ -31,7 +33,7 @@ flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", 
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
-flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "v_half", "v_min", "dualpipev", "2bw"],
+flags.DEFINE_list("schedules", list(KINDS),
                   "--part=pipeline: the schedules to measure.")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: "
                      "training steps.")
@@ -109,7 +111,7 @@ def bench_pipeline(steps, schedules):
             config = _config(data=2, pipe=4)
             config.train.global_batch_size = 2 * m * 2
             config.pipeline.update(schedule=schedule, microbatches=m,
-                                   virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv", "v_half", "v_min", "dualpipev") else 1)
+                                   virtual_stages=KINDS[schedule].virtual_stages(2))
             trainer = Trainer(config, devices=jax.devices()[:8])
             dataset = make_dataset(config)
             state = trainer.init_state()
@@ -144,7 +146,7 @@ def bench_balance():
 
     from parallax.defaults import config_from_args
     from parallax.paths.pipeline import rank_balance
-    from parallax.plan import part_flops
+    from parallax.pipeline.work import part_flops
     from parallax.pipeline.simulate import flop_costs, simulate
     from parallax.plan import make_plan
 
@@ -157,7 +159,7 @@ def bench_balance():
                 config = config_from_args("configs/llama3_8b.py", [])
                 config.mesh.update(data=1, fsdp=8, tensor=1, pipe=p)
                 config.train.microbatches = 1
-                v = 2 if schedule in ("zbv", "v_half") else 1
+                v = KINDS[schedule].virtual_stages(1)
                 config.pipeline.update(schedule=schedule, virtual_stages=v, microbatches=4 * p, layout=layout,
                                        vocab_parallel=vocab)
                 plan = make_plan(config, 8 * p, "tpu")
@@ -229,7 +231,7 @@ def bench_muon():
         trainer = Trainer(config, devices=jax.devices()[:n])
         params = trainer.abstract_state()["params"]
         for label, mesh in (("plain", None), ("spread", trainer.mesh)):
-            tx = optim.make_optimizer(config.optim, 100, trainer.logical, mesh)
+            tx = optim.make_optimizer(optim.resolve(config.optim), 100, trainer.logical, mesh)
             state = jax.eval_shape(tx.init, params)
             shardings = (trainer.param_shardings, _opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
                          trainer.param_shardings)

@@ -15,14 +15,15 @@ from absl import app, flags  # noqa: E402
 from launch.common import plain_cli  # noqa: E402
 
 from parallax.pipeline.render import render_png, render_summary  # noqa: E402
-from parallax.pipeline.schedule import SCHEDULES, STEADY_SCHEDULES, make_schedule  # noqa: E402
+from parallax.pipeline.schedule import DEFAULT, KINDS, make_schedule  # noqa: E402
 from parallax.pipeline.simulate import parse_costs  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("schedule", "1f1b", f"one of {', '.join([*SCHEDULES, *STEADY_SCHEDULES])}")
+flags.DEFINE_string("schedule", DEFAULT, f"one of {', '.join(KINDS)}")
 flags.DEFINE_integer("stages", 4, "pipeline ranks p")
 flags.DEFINE_integer("microbatches", 8, "microbatches m")
-flags.DEFINE_integer("virtual", 1, "chunks per rank v (interleaved_1f1b; zbv, v_half, v_min always use 2)")
+flags.DEFINE_integer("virtual", 1, f"chunks per rank v ({', '.join(n for n, k in KINDS.items() if k.chunks is None)}; "
+                     f"{', '.join(n for n, k in KINDS.items() if k.chunks == 2)} always use 2)")
 flags.DEFINE_string("costs", "", "action costs, e.g. F=1,B=1,W=1 (BW defaults to B+W; FB, a dualpipev tick that pairs an F "
                     "and a backward, to F+BW)")
 flags.DEFINE_string("png", "", "also write the lockstep timeline to this PNG file")

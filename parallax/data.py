@@ -60,6 +60,8 @@ import tempfile
 import jax
 import numpy as np
 
+from parallax.errors import ConfigError
+
 SPLITS = ("train", "eval")
 _TOKEN_DTYPES = {".uint16.bin": np.dtype("<u2"), ".uint32.bin": np.dtype("<u4")}
 _SCAN_CHUNK = 1 << 24  # tokens per pass when scanning a token file for eos and the largest id
@@ -518,6 +520,12 @@ def _shard_streams(paths, vocab_size, eval_fraction, eos_id, tokenizer_hash, mix
     weights = tuple(mixture[n] / total for n in names)
     parts = [split(by_source[n]) for n in names]
     return tuple(Mixture(names, weights, tuple(p[i] for p in parts)) for i in range(2))
+
+
+def check_source(section, vocab_size: int) -> None:
+    """The `config.data` choices a plan can check before any file is read: byte-level text needs 256 ids."""
+    if section.source == "text" and vocab_size < 256:
+        raise ConfigError(f"config.model.vocab_size={vocab_size}: byte-level text needs vocab_size >= 256")
 
 
 def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size: int, seed: int,

@@ -333,6 +333,38 @@ _REMAT_POLICIES = {
         offload_dst="pinned_host"),
 }
 REMAT_CHOICES = ("none", *_REMAT_POLICIES)
+DTYPES = ("float32", "bfloat16")
+
+
+def check_keys(m, cls) -> None:
+    """`config.model` section `m` holds exactly the generic keys and model `cls`'s own, with valid generic
+    values (the attention keys are `parallax.parallel.attention`'s); raises ConfigError naming the fix."""
+    expected = set(GENERIC_KEYS) | set(cls.config_defaults())
+    have = set(m.keys())
+    if have - expected:
+        key = sorted(have - expected)[0]
+        raise ConfigError(f"config.model.{key}: not a key of model {m.name!r} (its keys: "
+                          f"{', '.join(sorted(expected))}); start the config from "
+                          f"default_config(model={m.name!r})")
+    if expected - have:
+        key = sorted(expected - have)[0]
+        raise ConfigError(f"config.model.{key}: missing, and model {m.name!r} needs it; start the "
+                          f"config from default_config(model={m.name!r})")
+    for key in ("num_layers", "vocab_size"):
+        if int(m[key]) <= 0:
+            raise ConfigError(f"config.model.{key}={m[key]}: must be positive")
+    for key, valid in (("dtype", DTYPES), ("remat", REMAT_CHOICES)):
+        if m[key] not in valid:
+            raise ConfigError(f"config.model.{key}={m[key]!r}: expected one of {', '.join(valid)}")
+
+
+def check_parallel_axes(m, cls, sizes: dict) -> None:
+    """Each explicit mesh axis over 1 is one model `cls` implements (`parallel_axes`)."""
+    for axis in EXPLICIT_AXES:
+        if sizes[axis] > 1 and axis not in cls.parallel_axes:
+            raise ConfigError(f"config.mesh.{axis}={sizes[axis]}: model {m.name!r} does not implement "
+                              f"{axis} parallelism (its parallel_axes: {cls.parallel_axes or 'none'}); set "
+                              f"mesh.{axis}=1 and use data, fsdp or pipe")
 
 
 def _all_but_gathered(prim, *_, **params) -> bool:

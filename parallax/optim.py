@@ -28,6 +28,7 @@ Every choice is made from the parameters' logical axis names, never from paramet
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -46,12 +47,11 @@ _STACKING = ("layers", "experts")
 _ADAMW_ONLY = ("router",)
 # `head_dim` splits a feature dim into heads: a [heads, head_dim] bias is still a vector.
 _NOT_MATRIX_DIMS = ("head_dim",)
-NAMES = ("adamw", "muon", "sgd")
 SCHEDULES = ("cosine", "wsd", "constant")
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-def lr_schedule(optim_config, total_steps: int) -> optax.Schedule:
+def lr_schedule(settings: "OptimSettings", total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then (`optim.schedule`):
 
     - `cosine`: cosine decay to `lr * min_lr_ratio` at `optim.decay_steps` (0: at `total_steps`);
@@ -62,16 +62,16 @@ def lr_schedule(optim_config, total_steps: int) -> optax.Schedule:
     A run stopped early (or whose `train.steps` is raised on resume) keeps the schedule it started with if
     `decay_steps` is set.
     """
-    o = optim_config
-    warmup, lr, end = int(o.warmup_steps), float(o.lr), float(o.lr) * float(o.min_lr_ratio)
-    total = int(o.decay_steps) or total_steps
+    o = settings
+    warmup, lr, end = o.warmup_steps, o.lr, o.lr * o.min_lr_ratio
+    total = o.decay_steps or total_steps
     if o.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warmup,
                                                   decay_steps=warmup + max(total - warmup, 1), end_value=end)
     ramp = optax.linear_schedule(0.0, lr, max(warmup, 1)) if warmup else optax.constant_schedule(lr)
     if o.schedule == "constant":
         return optax.join_schedules([ramp, optax.constant_schedule(lr)], [warmup])
-    decay = min(max(int(round(float(o.wsd_decay_fraction) * total)), 1), max(total - warmup, 1))
+    decay = min(max(int(round(o.wsd_decay_fraction * total)), 1), max(total - warmup, 1))
     stable = max(total - warmup - decay, 0)
     return optax.join_schedules([ramp, optax.constant_schedule(lr), optax.linear_schedule(lr, end, decay)],
                                 [warmup, warmup + stable])
@@ -220,10 +220,8 @@ def _scale_by_shape(dims_of, rms: float | None) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def _muon(optim_config, schedule, logical_names, mesh=None) -> optax.GradientTransformation:
-    o = optim_config
-    exclude = tuple(n.strip() for n in str(o.muon_exclude).split(",") if n.strip())
-    dims = jax.tree.map(lambda n: muon_dims(n, exclude), logical_names, is_leaf=is_logical_names)
+def _muon(m: Muon, s: OptimSettings, schedule, logical_names, mesh=None) -> optax.GradientTransformation:
+    dims = jax.tree.map(lambda n: muon_dims(n, m.exclude), logical_names, is_leaf=is_logical_names)
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
                           is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
@@ -231,15 +229,12 @@ def _muon(optim_config, schedule, logical_names, mesh=None) -> optax.GradientTra
         return jax.tree.map(lambda d, p: p if d is None else d, dims, params,
                             is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
-    rms = float(o.muon_rms) if o.muon_scale == "rms" else None
     muon = optax.chain(
-        scale_by_muon(muon_dims_of, float(o.muon_beta), bool(o.muon_nesterov), int(o.muon_ns_steps), mesh),
-        _scale_by_shape(muon_dims_of, rms),
-        optax.add_decayed_weights(float(o.weight_decay)),
+        scale_by_muon(muon_dims_of, m.beta, m.nesterov, m.ns_steps, mesh),
+        _scale_by_shape(muon_dims_of, m.rms if m.scale == "rms" else None),
+        optax.add_decayed_weights(s.weight_decay),
         optax.scale_by_learning_rate(schedule))
-    adamw = optax.adamw(learning_rate=schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
-                        weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))
-    return optax.partition({"muon": muon, "adamw": adamw}, labels)
+    return optax.partition({"muon": muon, "adamw": m.adamw.transform(s, schedule, logical_names)}, labels)
 
 
 class DelayState(NamedTuple):
@@ -307,11 +302,105 @@ def error_feedback(inner: optax.GradientTransformation) -> optax.GradientTransfo
     return optax.GradientTransformation(init, update)
 
 
-def check(optim_config, stale_gradients: bool = False) -> None:
-    """Raises ConfigError (one line) for optimizer settings `make_optimizer` cannot build.
-    `stale_gradients`: the gradients arrive one step stale already (`pipeline.schedule=2bw`)."""
-    o = optim_config
-    choices = (("name", NAMES), ("schedule", SCHEDULES), ("muon_scale", ("rms", "width")),
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """`optim.name=adamw`: Adam's moments with decoupled weight decay of the matrices (`decay_mask`)."""
+    b1: float
+    b2: float
+    eps: float
+
+    @classmethod
+    def resolve(cls, o) -> "AdamW":
+        return cls(b1=float(o.b1), b2=float(o.b2), eps=float(o.eps))
+
+    def transform(self, s: "OptimSettings", schedule, logical_names, mesh=None) -> optax.GradientTransformation:
+        return optax.adamw(learning_rate=schedule, b1=self.b1, b2=self.b2, eps=self.eps,
+                           weight_decay=s.weight_decay, mask=decay_mask(logical_names))
+
+
+@dataclasses.dataclass(frozen=True)
+class Muon:
+    """`optim.name=muon`: Muon for the stack's matrices, `adamw` for the rest (the module docstring)."""
+    beta: float
+    nesterov: bool
+    ns_steps: int
+    scale: str  # rms | width
+    rms: float
+    exclude: tuple  # logical names whose parameters go to AdamW
+    adamw: AdamW
+
+    @classmethod
+    def resolve(cls, o) -> "Muon":
+        if o.muon_scale not in ("rms", "width"):
+            raise ConfigError(f"config.optim.muon_scale={o.muon_scale!r}: expected one of rms, width")
+        if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1 or float(o.muon_rms) <= 0:
+            raise ConfigError(f"config.optim: muon_ns_steps={o.muon_ns_steps} must be >= 1, muon_beta={o.muon_beta} "
+                              f"in [0, 1) and muon_rms={o.muon_rms} > 0")
+        return cls(beta=float(o.muon_beta), nesterov=bool(o.muon_nesterov), ns_steps=int(o.muon_ns_steps),
+                   scale=str(o.muon_scale), rms=float(o.muon_rms), exclude=_names(o.muon_exclude),
+                   adamw=AdamW.resolve(o))
+
+    def transform(self, s: "OptimSettings", schedule, logical_names, mesh=None) -> optax.GradientTransformation:
+        return _muon(self, s, schedule, logical_names, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+    """`optim.name=sgd`: heavy-ball momentum (0: plain), decoupled decay. Linear in the gradients: DiLoCo's
+    exactness reference (a mean of steps is a step)."""
+    momentum: float
+
+    @classmethod
+    def resolve(cls, o) -> "SGD":
+        if not 0 <= float(o.sgd_momentum) < 1:
+            raise ConfigError(f"config.optim.sgd_momentum={o.sgd_momentum}: expected a value in [0, 1)")
+        return cls(momentum=float(o.sgd_momentum))
+
+    def transform(self, s: "OptimSettings", schedule, logical_names, mesh=None) -> optax.GradientTransformation:
+        # the decay after the momentum, so it stays decoupled (lr * wd * p), as AdamW's
+        return optax.chain(*([optax.trace(self.momentum)] if self.momentum else []),
+                           optax.add_decayed_weights(s.weight_decay, decay_mask(logical_names)),
+                           optax.scale_by_learning_rate(schedule))
+
+
+# `optim.name` -> its typed settings: a new optimizer is one class here with `resolve(section)` (its own
+# ConfigErrors) and `transform(settings, schedule, logical_names, mesh)`, plus its keys in `optim` of
+# `parallax/defaults.py`.
+OPTIMIZERS = {"adamw": AdamW, "muon": Muon, "sgd": SGD}
+NAMES = tuple(OPTIMIZERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    """The `optim` section, checked and typed (`resolve`): what `make_optimizer` and `lr_schedule` read."""
+    name: str
+    method: AdamW | Muon | SGD  # the named optimizer's own settings
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    clip_norm: float
+    min_lr_ratio: float
+    decay_steps: int
+    schedule: str  # cosine | wsd | constant
+    wsd_decay_fraction: float
+    grad_delay: int  # 0 | 1
+    error_feedback: bool  # delay_correction=error_feedback
+    offload_state: bool
+    stale_gradients: bool = False  # the gradients arrive one step stale already (2bw)
+
+
+def _names(text) -> tuple:
+    return tuple(n.strip() for n in str(text).split(",") if n.strip())
+
+
+def resolve(section, stale_gradients: bool = False) -> OptimSettings:
+    """The `optim` config section as `OptimSettings`; raises ConfigError (one line) for settings
+    `make_optimizer` cannot build. `stale_gradients`: the gradients arrive one step stale already
+    (`pipeline.schedule=2bw`)."""
+    o = section
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"config.optim.name={o.name!r}: expected one of {', '.join(NAMES)}")
+    choices = (("schedule", SCHEDULES), ("muon_scale", ("rms", "width")),
                ("delay_correction", ("none", "error_feedback")))
     for key, valid in choices:
         if o[key] not in valid:
@@ -324,11 +413,26 @@ def check(optim_config, stale_gradients: bool = False) -> None:
                           f"whose gradients are one step stale) or optim.delay_correction=none")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
-    if not 0 <= float(o.sgd_momentum) < 1:
-        raise ConfigError(f"config.optim.sgd_momentum={o.sgd_momentum}: expected a value in [0, 1)")
-    if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1 or float(o.muon_rms) <= 0:
-        raise ConfigError(f"config.optim: muon_ns_steps={o.muon_ns_steps} must be >= 1, muon_beta={o.muon_beta} "
-                          f"in [0, 1) and muon_rms={o.muon_rms} > 0")
+    SGD.resolve(o)  # every optimizer's keys are checked, whichever is named (a later switch must not fail)
+    Muon.resolve(o)
+    if o.lr < 0 or o.warmup_steps < 0 or o.decay_steps < 0 or o.weight_decay < 0 or o.clip_norm < 0:
+        raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
+                          f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")
+    return OptimSettings(
+        name=str(o.name), method=OPTIMIZERS[o.name].resolve(o), lr=float(o.lr), warmup_steps=int(o.warmup_steps),
+        weight_decay=float(o.weight_decay), clip_norm=float(o.clip_norm), min_lr_ratio=float(o.min_lr_ratio),
+        decay_steps=int(o.decay_steps), schedule=str(o.schedule), wsd_decay_fraction=float(o.wsd_decay_fraction),
+        grad_delay=int(o.grad_delay), error_feedback=o.delay_correction == "error_feedback",
+        offload_state=bool(o.offload_state), stale_gradients=bool(stale_gradients))
+
+
+def check_exclude(section, rules) -> None:
+    """`optim.muon_exclude` of the `optim` section names logical axes of the model (`rules`: its rules
+    table), whichever optimizer is named (a later switch to Muon must not fail)."""
+    for name in _names(section.muon_exclude):
+        if name not in rules:
+            raise ConfigError(f"config.optim.muon_exclude={section.muon_exclude!r}: {name!r} is not a logical axis "
+                              f"name of this model (names: {', '.join(sorted(rules))}); e.g. vocab")
 
 
 def schedule_count(opt_state) -> jax.Array:
@@ -341,30 +445,18 @@ def schedule_count(opt_state) -> jax.Array:
     return found[0][1].count
 
 
-def make_optimizer(optim_config, total_steps: int, logical_names, mesh=None,
-                   stale_gradients: bool = False) -> optax.GradientTransformation:
-    """The optimizer `optim` names (adamw | muon | sgd), after global-norm clipping when `optim.clip_norm` > 0,
-    applied one step late when `optim.grad_delay` is 1 (with `optim.delay_correction`). `mesh`: where Muon
-    spreads its Newton-Schulz. `stale_gradients`: the caller delays the gradients itself (2bw), so only
-    `optim.delay_correction` is added."""
-    check(optim_config, stale_gradients)
-    o = optim_config
-    schedule = lr_schedule(o, total_steps)
-    if o.name == "muon":
-        tx = _muon(o, schedule, logical_names, mesh)
-    elif o.name == "sgd":  # linear in the gradients: DiLoCo's exactness reference (a mean of steps is a step)
-        momentum = float(o.sgd_momentum)
-        # the decay after the momentum, so it stays decoupled (lr * wd * p), as AdamW's
-        tx = optax.chain(*([optax.trace(momentum)] if momentum else []),
-                         optax.add_decayed_weights(float(o.weight_decay), decay_mask(logical_names)),
-                         optax.scale_by_learning_rate(schedule))
-    else:
-        tx = optax.adamw(learning_rate=schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
-                         weight_decay=float(o.weight_decay), mask=decay_mask(logical_names))
-    if float(o.clip_norm) > 0:
-        tx = optax.chain(optax.clip_by_global_norm(float(o.clip_norm)), tx)
-    if stale_gradients and o.delay_correction == "error_feedback":
+def make_optimizer(settings: OptimSettings, total_steps: int, logical_names,
+                   mesh=None) -> optax.GradientTransformation:
+    """The optimizer `settings.name` names (adamw | muon | sgd), after global-norm clipping when `clip_norm`
+    > 0, applied one step late when `grad_delay` is 1 (with `delay_correction`). `mesh`: where Muon spreads
+    its Newton-Schulz. With `stale_gradients` the caller delays the gradients itself (2bw), so only
+    `delay_correction` is added."""
+    s = settings
+    tx = s.method.transform(s, lr_schedule(s, total_steps), logical_names, mesh)
+    if s.clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(s.clip_norm), tx)
+    if s.stale_gradients and s.error_feedback:
         return error_feedback(tx)
-    if not int(o.grad_delay):
+    if not s.grad_delay:
         return tx
-    return delay_one_step(tx, error_feedback=o.delay_correction == "error_feedback")
+    return delay_one_step(tx, error_feedback=s.error_feedback)

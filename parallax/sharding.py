@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 
 import jax
 from flax import nnx
@@ -172,3 +173,51 @@ def constrain(x, names):
 def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input array."""
     return NamedSharding(mesh, logical_to_spec(("batch", "length") + (None,) * (ndim - 2), rules, mesh))
+
+
+# Logical names that explicit tensor / sequence / expert parallelism shards over its own axis.
+_EXPLICIT_RULES = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
+                   ("length", "seq"), ("experts", "expert"))
+
+
+def model_rules(overrides, model_rules_, model_name: str) -> dict:
+    """The rules table of a model that adds `model_rules_` (its class's `rules`) with the config's
+    `sharding.rules` `overrides` applied; a model may only add names."""
+    clash = set(model_rules_) & set(DEFAULT_RULES)
+    if clash:
+        raise ConfigError(f"config.model.name={model_name!r}: the model's `rules` redefine "
+                          f"{sorted(clash)}; a model may only add logical names (change existing ones in "
+                          f"config.sharding.rules)")
+    return make_rules(dict(overrides), extra=model_rules_)
+
+
+def check_explicit_rules(sizes, rules, logical) -> None:
+    """Explicit tensor / sequence parallelism splits what the rules say: the logical names the model uses
+    for heads, MLP and vocabulary must still map to `tensor`, and `length` to `seq`."""
+    used = {n for names in jax.tree.leaves(logical, is_leaf=is_logical_names) for n in names} | {"length"}
+    for name, axis in _EXPLICIT_RULES:
+        if name in used and sizes[axis] > 1 and rules[name] != axis:
+            raise ConfigError(f"config.sharding.rules.{name}={rules[name]!r}: mesh.{axis}={sizes[axis]} runs "
+                              f"explicit {axis} parallelism, which needs {name} -> {axis!r}; restore that rule")
+
+
+def check_params(model_name: str, num_layers: int, sizes, rules, abstract_params, logical) -> None:
+    """Every parameter's logical names are in the rules and its sharded dims divide; `blocks` is a stack."""
+    if "blocks" not in abstract_params:
+        raise ConfigError(f"config.model.name={model_name!r}: the model has no `blocks` attribute (the stack of "
+                          f"identical blocks that parallax scans and pipelines); see parallax.model")
+    mesh = types.SimpleNamespace(shape=sizes)
+    for path, names in jax.tree_util.tree_flatten_with_path(logical, is_leaf=is_logical_names)[0]:
+        where = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
+        unknown = [n for n in names if n is not None and n not in rules]
+        if unknown:
+            raise ConfigError(f"config.model.name={model_name!r}: {where} uses logical name {unknown[0]!r}, which "
+                              f"the rules table lacks; add it to the model's `rules` (valid: "
+                              f"{', '.join(sorted(rules))})")
+        leaf = abstract_params
+        for key in path:
+            leaf = leaf[key.key]
+        logical_to_spec(names, rules, mesh, leaf.shape, where)  # raises ConfigError if it does not divide
+        if path[0].key == "blocks" and (names[0] != "layers" or leaf.shape[0] != num_layers):
+            raise ConfigError(f"config.model.name={model_name!r}: {where} has shape {leaf.shape} and names {names}; "
+                              f"every block parameter needs a leading 'layers' dim of num_layers={num_layers}")

@@ -64,8 +64,8 @@ class Throughput:
 
 def throughput(plan, mesh) -> Throughput:
     """The `Throughput` of a plan's model on `mesh` (devices of one kind)."""
-    t = plan.config.train
-    flops = plan.model_class.flops_per_token(plan.model_config, int(t.seq_len), plan.abstract_params, plan.logical)
+    t = plan.train
+    flops = plan.model_class.flops_per_token(plan.model_config, t.seq_len, plan.abstract_params, plan.logical)
     kind = mesh.devices.flat[0].device_kind if hasattr(mesh, "devices") else jax.devices()[0].device_kind
-    return Throughput(tokens_per_step=int(t.global_batch_size * t.seq_len), num_devices=int(mesh.size),
+    return Throughput(tokens_per_step=t.global_batch_size * t.seq_len, num_devices=int(mesh.size),
                       flops_per_token=float(flops), device_kind=kind, peak=peak_flops(kind))

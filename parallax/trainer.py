@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax import data as data_lib
 from parallax import optim, sharding
 from parallax.paths import make_path
-from parallax.plan import Plan, abstract_batch, make_plan
+from parallax.plan import Plan, make_plan
 
 
 def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
@@ -56,7 +56,7 @@ class Trainer:
             concrete = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
             plan = make_plan(config_or_plan, len(devices) if mesh is None else mesh.size,
                              devices[0].platform if mesh is None else concrete)
-        self.plan, self.config = plan, plan.config
+        self.plan, self.config = plan, plan.config  # the config: for what saves and prints a run
         self.mesh = plan.make_mesh(devices) if mesh is None else mesh
         actual = self.mesh.devices.flat[0].platform if isinstance(self.mesh, jax.sharding.Mesh) else None
         if actual is not None and actual != plan.platform:
@@ -65,9 +65,8 @@ class Trainer:
         self.path = make_path(plan, self.mesh)
         self.abstract_params, self.logical = plan.abstract_params, plan.logical
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, plan.rules)
-        self.lr_schedule = optim.lr_schedule(self.config.optim, self.config.train.steps)
-        self.tx = optim.make_optimizer(self.config.optim, self.config.train.steps, self.logical, self.mesh,
-                                       stale_gradients=self.path.stale_gradients)
+        self.lr_schedule = optim.lr_schedule(plan.optim, plan.train.steps)
+        self.tx = optim.make_optimizer(plan.optim, plan.train.steps, self.logical, self.mesh)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         replicated = NamedSharding(self.mesh, P())
         # optim.offload_state: the state lives in host memory between steps ('pinned_host'); each step brings
@@ -75,7 +74,7 @@ class Trainer:
         # backward), and the step's outputs return it to the host.
         self._opt_on_device = self.path.opt_state_shardings(
             _opt_state_shardings(abstract_opt, self.param_shardings, self.mesh))
-        offload = bool(self.config.optim.offload_state) and isinstance(self.mesh, jax.sharding.Mesh)
+        offload = plan.optim.offload_state and isinstance(self.mesh, jax.sharding.Mesh)
         self.state_shardings = {
             "step": replicated,
             "params": self.param_shardings,
@@ -155,7 +154,7 @@ class Trainer:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # The batch is consumed (the step advances) and nothing applied where `apply` is False: the
         # optimizer's counts stay.
-        apply = finite if self.config.train.nan_policy == "skip" else None
+        apply = finite if self.plan.train.skip_nonfinite else None
         if completed is not True:
             apply = completed if apply is None else completed & apply
         kept = {"params": params, "opt_state": opt_state}
@@ -188,15 +187,16 @@ class Trainer:
 
     def init_state(self, seed: int | None = None):
         """Creates the state directly sharded (nothing is materialised whole on one device)."""
-        return self._init(int(self.config.train.seed if seed is None else seed))
+        return self._init(self.plan.train.seed if seed is None else int(seed))
 
     def device_batch(self, batch: dict) -> dict:
         """A host batch (this host's rows, see `host_rows`) -> global arrays with the batch sharding."""
-        return data_lib.to_global(batch, self.batch_shardings, self.config.train.global_batch_size)
+        return data_lib.to_global(batch, self.batch_shardings, self.plan.train.global_batch_size)
 
     def host_rows(self) -> tuple[int, int]:
         """The rows of the global batch this host must load."""
-        return data_lib.host_rows(self.batch_sharding, (self.config.train.global_batch_size, self.config.train.seq_len))
+        t = self.plan.train
+        return data_lib.host_rows(self.batch_sharding, (t.global_batch_size, t.seq_len))
 
 
 def shape_check(config, num_devices: int) -> dict:
@@ -209,7 +209,7 @@ def shape_check(config, num_devices: int) -> dict:
     """
     plan = make_plan(config, num_devices)
     trainer = Trainer(plan, mesh=plan.abstract_mesh())
-    batch = abstract_batch(config)
+    batch = plan.abstract_batch()
     loss, grads = jax.eval_shape(trainer._loss_and_grads, trainer.abstract_params, batch)
     assert jax.tree.structure(grads) == jax.tree.structure(trainer.abstract_params)
     eval_out = jax.eval_shape(trainer._eval_step, trainer.abstract_params, batch)

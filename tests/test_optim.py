@@ -74,7 +74,7 @@ def test_muon_equals_optax_contrib_muon_with_the_same_dimension_numbers():
     ours = _run(trainer.tx, params, grads)
     dims = jax.tree.map(optim.muon_dims, trainer.logical, is_leaf=is_logical_names)
     reference = optax.contrib.muon(
-        learning_rate=optim.lr_schedule(config.optim, config.train.steps), ns_coeffs=optim.NS_COEFFS, ns_steps=5,
+        learning_rate=optim.lr_schedule(optim.resolve(config.optim), config.train.steps), ns_coeffs=optim.NS_COEFFS, ns_steps=5,
         beta=0.95, weight_decay=0.1, nesterov=True, consistent_rms=0.2, muon_weight_dimension_numbers=dims)
     theirs = _run(reference, params, grads)
     stacked = 0
@@ -93,21 +93,21 @@ def test_lr_schedules_warm_up_then_follow_their_shape(schedule):
     config = tiny_config()
     config.optim.update(schedule=schedule, lr=1.0, warmup_steps=10, min_lr_ratio=0.1, decay_steps=100,
                         wsd_decay_fraction=0.2)
-    lr = optim.lr_schedule(config.optim, 100)
+    lr = optim.lr_schedule(optim.resolve(config.optim), 100)
     assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(0.5) and float(lr(10)) == pytest.approx(1.0)
     final = {"cosine": 0.1, "wsd": 0.1, "constant": 1.0}[schedule]
     assert float(lr(100)) == pytest.approx(final, abs=1e-6)
     if schedule == "wsd":
         assert float(lr(80)) == pytest.approx(1.0) and float(lr(90)) == pytest.approx(0.55)
         config.optim.update(warmup_steps=90)  # a decay longer than what is left after the warmup is cut
-        assert float(optim.lr_schedule(config.optim, 100)(100)) == pytest.approx(0.1)
+        assert float(optim.lr_schedule(optim.resolve(config.optim), 100)(100)) == pytest.approx(0.1)
 
 
 def test_lr_schedule_edges_no_warmup_a_one_step_decay_and_decay_steps_0():
     def lr_at(steps, total=100, **settings):
         config = tiny_config()
         config.optim.update(lr=1.0, min_lr_ratio=0.1, **settings)
-        lr = optim.lr_schedule(config.optim, total)
+        lr = optim.lr_schedule(optim.resolve(config.optim), total)
         return [float(lr(s)) for s in steps]
     cos = dict(schedule="cosine", warmup_steps=10)
     assert 0.2 < lr_at([55], decay_steps=100, **cos)[0] < 0.9  # on the way down the cosine
@@ -141,7 +141,7 @@ def test_optimizer_settings_are_checked_at_their_range_boundaries():
         config = tiny_config(data=8)
         config.optim.update(settings)
         try:
-            optim.check(config.optim)
+            optim.resolve(config.optim)
         except ConfigError as e:
             return str(e)
     for ok in [dict(muon_scale="width"), dict(muon_scale="rms"), dict(wsd_decay_fraction=1.0),
@@ -263,7 +263,7 @@ def _compiled_update(config, spread: bool):
     from parallax.trainer import _opt_state_shardings
     trainer = Trainer(config, devices=jax.devices())
     params = trainer.abstract_state()["params"]
-    tx = optim.make_optimizer(config.optim, 100, trainer.logical, trainer.mesh if spread else None)
+    tx = optim.make_optimizer(optim.resolve(config.optim), 100, trainer.logical, trainer.mesh if spread else None)
     state = jax.eval_shape(tx.init, params)
     shardings = (trainer.param_shardings, _opt_state_shardings(state, trainer.param_shardings, trainer.mesh),
                  trainer.param_shardings)

@@ -172,7 +172,7 @@ def test_rank_balance_counts_every_layer_once_and_auto_evens_the_flops():
     parameters over ranks = the model's; here `auto` (the shortest simulated step) gives the head's rank fewer
     layers, and a smaller spread of FLOPs."""
     from parallax.paths.pipeline import rank_balance
-    from parallax.plan import part_flops
+    from parallax.pipeline.work import part_flops
     ratios = {}
     for layout in ("even", "auto"):
         config = _config("1f1b", pipe=4, data=2)

@@ -28,7 +28,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax import model as model_lib
 from parallax import sharding
 from parallax.parallel.manual import shard_loss
-from parallax.plan import abstract_batch
 
 
 class StepPath:
@@ -39,8 +38,6 @@ class StepPath:
     state_keys: tuple = ()
     # What the entries `state_keys` hold, in a memory report's words.
     state_label = ""
-    # Whether the gradient a step applies was computed at the previous step's weights (optimizer checks).
-    stale_gradients = False
 
     def __init__(self, plan, mesh):
         self.plan, self.mesh = plan, mesh
@@ -61,7 +58,7 @@ class StepPath:
         return sharding.batch_sharding(self.mesh, self.plan.rules)
 
     def batch_shardings(self) -> dict:
-        return {k: NamedSharding(self.mesh, self.batch_spec(k)) for k in abstract_batch(self.plan.config)}
+        return {k: NamedSharding(self.mesh, self.batch_spec(k)) for k in self.plan.abstract_batch()}
 
     def split_microbatches(self, batch, m: int, replicas: bool = False):
         """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local
@@ -88,7 +85,7 @@ class StepPath:
         `train.microbatches` pieces accumulated in fp32 (each contributes its sum over the global weight
         total, so accumulation is exact); aux summed over the pieces. The loss includes the aux losses."""
         total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
-        m = int(self.plan.config.train.microbatches)
+        m = self.plan.train.microbatches
         if m == 1:
             loss, grads, aux = self.sum_and_grads(params, batch)
             return loss / total, jax.tree.map(lambda g: g / total, grads), aux
@@ -109,7 +106,7 @@ class StepPath:
     def eval_sums(self, params, batch):
         """[weighted loss sum, weight total] of one batch, forward only, in `train.microbatches` pieces as
         training does (so eval fits wherever a training step fits)."""
-        m = int(self.plan.config.train.microbatches)
+        m = self.plan.train.microbatches
         if m == 1:
             loss = self.sum(params, batch)
         else:

@@ -127,21 +127,20 @@ class DilocoPath(StepPath):
         if not par.mesh_shape:
             par = dataclasses.replace(par, mesh_shape=tuple(plan.sizes.items()), rules=tuple(plan.rules.items()))
         self.par = par
-        d = plan.config.diloco
-        self.every, self.dtype = int(d.sync_every), d.pseudo_grad_dtype
-        self.feedback = bool(d.error_feedback) and self.dtype != "float32"
+        d = plan.diloco
+        self.every, self.dtype, self.feedback = d.sync_every, d.pseudo_grad_dtype, d.error_feedback
         # One replica's parameter specs: how the outer exchange splits each tensor.
         self.param_specs = None if mesh is None else jax.tree.map(
             lambda s: s.spec, sharding.param_shardings(plan.abstract_params, plan.logical, mesh, plan.rules))
-        self.lr, self.momentum, self.nesterov = float(d.outer_lr), float(d.outer_momentum), bool(d.nesterov)
+        self.lr, self.momentum, self.nesterov = d.outer_lr, d.outer_momentum, d.nesterov
         # Streaming: fragment f holds layers [f L/F, (f+1) L/F) of the block stack (and fragment 0 every
         # parameter outside it) and syncs at the inner steps t = f H/F (mod H).
-        self.fragments, self.overlap, self.mix = int(d.fragments), int(d.overlap), float(d.mix)
-        layers = int(plan.config.model.num_layers)
+        self.fragments, self.overlap, self.mix = d.fragments, d.overlap, d.mix
+        layers = plan.num_layers
         self.layer_ranges = [(f * layers // self.fragments, (f + 1) * layers // self.fragments)
                              for f in range(self.fragments)]
         self.offsets = [f * self.every // self.fragments for f in range(self.fragments)]
-        steps = int(plan.config.train.steps)
+        steps = plan.train.steps
         if mesh is not None and (steps % self.every or self.overlap or self.fragments > 1):
             logging.warning("DiLoCo: the global parameters (eval, sampling, export) hold what the replicas learnt "
                             "up to each fragment's last sync; train.steps=%d is not a step at which every fragment "
@@ -202,7 +201,7 @@ class DilocoPath(StepPath):
             (_, (losses, aux)), grads = jax.value_and_grad(objective, has_aux=True)(stacked, b)
             return losses, jax.tree.map(lambda g: g.astype(jnp.float32), grads), jax.lax.stop_gradient(aux)
 
-        m = int(self.plan.config.train.microbatches)
+        m = self.plan.train.microbatches
         if m == 1:
             return grads_of(batch)
 

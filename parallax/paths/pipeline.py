@@ -29,7 +29,7 @@ from parallax.parallel.manual import DENSE, WEIGHT_AXES
 from parallax.paths.base import StepPath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import from_pipeline_layout, to_pipeline_layout
-from parallax.plan import abstract_batch, part_flops
+from parallax.pipeline.work import part_flops
 
 
 class PipelinePath(StepPath):
@@ -62,10 +62,10 @@ class PipelinePath(StepPath):
             lambda c, x: model_lib.apply_blocks_aux(t.graphdef, c, x, t.mb)[1], one, t.x))
         self.routed = self._find_routed() if (
             not plan.parallelism.reordered
-            and plan.config.train.seq_len % (plan.sizes["seq"] * plan.sizes["pipe"]) == 0) else {}
+            and plan.train.seq_len % (plan.sizes["seq"] * plan.sizes["pipe"]) == 0) else {}
         self.outer_par = plan.parallelism.model_axes_only()  # first / last: weights whole over FSDP
         self.stage_par = self._stage_parallelism()
-        self.vocab_parallel = bool(plan.config.pipeline.vocab_parallel)
+        self.vocab_parallel = plan.pipeline.vocab_parallel
         rest_logical = {k: v for k, v in plan.logical.items() if k != "blocks"}
         rest_specs = self.outer_par.param_specs(rest_logical)
         if self.vocab_parallel:
@@ -198,7 +198,7 @@ class PipelinePath(StepPath):
         """Pipelined gradients are fp32. With `replicas`, each replica's ([R] sums, gradients [R, ...],
         aux [R, ...]) on its own rows."""
         schedule = self.schedule
-        out = executor.pipeline_value_and_grad(schedule, remat=bool(self.plan.config.pipeline.remat),
+        out = executor.pipeline_value_and_grad(schedule, remat=self.plan.pipeline.remat,
                                                stage_aux=self.stage_aux,
                                                **self.executor_args(params, batch, schedule, replicas))
         from_layout = functools.partial(from_pipeline_layout, schedule=schedule)
@@ -232,7 +232,7 @@ def rank_balance(plan) -> list:
     head and the loss are split evenly over the ranks. What balanced layouts are judged by (docs/pipeline.md)."""
     import math
     schedule, t = plan.schedule, _Tracing.make(plan)
-    flops, n = part_flops(plan), int(plan.config.model.num_layers)
+    flops, n = part_flops(plan), plan.num_layers
     counts = schedule.stage_layers(n)
     per_layer = sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(t.blocks))
 
@@ -240,8 +240,8 @@ def rank_balance(plan) -> list:
         return sum(math.prod(a.shape) for path, a in zip(_paths(t.rest), jax.tree.leaves(t.rest)) if path in keys)
     first = size(_leaves_read(lambda p: t.model(p).embed(t.mb, DENSE), t.rest))
     last = size(_leaves_read(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest))
-    sequences = 3 * int(plan.config.train.global_batch_size)
-    rows, spread = [], bool(plan.config.pipeline.vocab_parallel)
+    sequences = 3 * plan.train.global_batch_size
+    rows, spread = [], plan.pipeline.vocab_parallel
     for r in range(schedule.num_ranks):
         stages = sorted(int(s) for s in schedule.stage_of[r])
         layers = sum(counts[s] for s in stages)
@@ -286,7 +286,7 @@ class _Tracing(NamedTuple):
         blocks = plan.abstract_params["blocks"]
         graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
         # A one-row batch of zeros shaped like the training batch (to trace what a stage reads).
-        mb = jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), abstract_batch(plan.config))
+        mb = jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), plan.abstract_batch())
 
         def model(p):
             return nnx.merge(plan.graphdef, {**p, "blocks": blocks})

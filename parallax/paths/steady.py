@@ -26,8 +26,7 @@ from parallax.errors import ConfigError
 from parallax.paths.pipeline import PipelinePath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import manual_axes
-from parallax.pipeline.schedule import STEADY_SCHEDULES, make_schedule
-from parallax.plan import abstract_batch
+from parallax.pipeline.schedule import KINDS, make_schedule, names
 
 # What a steady checkpoint's in-flight microbatches are laid out for, besides the mesh and the pipeline:
 # the layers' residuals.
@@ -39,7 +38,6 @@ class SteadyPipelinePath(PipelinePath):
 
     state_keys = ("pipeline",)
     state_label = "2bw in-flight state"
-    stale_gradients = True
 
     @classmethod
     def runs(cls, plan) -> bool:
@@ -48,10 +46,11 @@ class SteadyPipelinePath(PipelinePath):
     def __init__(self, plan, mesh):
         super().__init__(plan, mesh)
         self.steady = plan.schedule
-        self.schedule = make_schedule("1f1b", plan.schedule.num_ranks, plan.schedule.num_microbatches)
+        self.schedule = make_schedule(KINDS[self.steady.name].flushing_twin, plan.schedule.num_ranks,
+                                      plan.schedule.num_microbatches)
         if self.stage_aux:
             raise ConfigError(f"config.pipeline.schedule={self.steady.name!r} does not run layers with aux values "
-                              "(this model's MoE layers) yet; use pipeline.schedule=1f1b, zb_h1 or zbv")
+                              f"(this model's MoE layers) yet; use pipeline.schedule={' or '.join(names(steady=False))}")
         # The mesh axes the in-flight leaves are split over (their leading dim): the executor's manual axes.
         self.inflight_axes = None if mesh is None else manual_axes(mesh, plan.batch_axes, self.param_specs,
                                                                    self.input_spec)
@@ -65,7 +64,7 @@ class SteadyPipelinePath(PipelinePath):
         prev, cur = self.executor_args(previous, previous_batch, schedule), self.executor_args(params, batch, schedule)
         inputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), prev["inputs"], cur["inputs"])
         done, started, inflight = executor.pipeline_steady_step(
-            schedule, remat=bool(self.plan.config.pipeline.remat), previous=prev["params"], inflight=inflight,
+            schedule, remat=self.plan.pipeline.remat, previous=prev["params"], inflight=inflight,
             **{**cur, "inputs": inputs})
         return ((done[0], self.unstage(params, done[1], schedule)),
                 (started[0], self.unstage(params, started[1], schedule)), inflight)
@@ -78,7 +77,7 @@ class SteadyPipelinePath(PipelinePath):
     def _abstract(self) -> dict:
         """Shapes of `'pipeline'`; its in-flight leaves from tracing the window."""
         plan = self.plan
-        batch = abstract_batch(plan.config)
+        batch = plan.abstract_batch()
         params = plan.abstract_params
         inflight = jax.eval_shape(lambda p, b: self.window(p, p, b, b, None)[2], params, batch)
         f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
@@ -120,13 +119,13 @@ class SteadyPipelinePath(PipelinePath):
         holds microbatches in flight), and a steady run keeps its mesh, pipeline and layer layout (the
         in-flight microbatches sit in the executor's per-device slots, laid out for them)."""
         was, schedule = saved.get("pipeline.schedule"), now.get("pipeline.schedule")
-        steady = [s for s in (was, schedule) if s in STEADY_SCHEDULES]
+        steady = [s for s in (was, schedule) if s in KINDS and KINDS[s].steady]
         if steady and was != schedule:
             raise ConfigError(f"config.pipeline.schedule={schedule!r}: the checkpoint in this workdir was trained "
                               f"with pipeline.schedule={was!r}, and a run cannot switch to or from {steady[0]} (its "
                               f"gradients are one step late and its state holds microbatches in flight); resume "
                               f"with pipeline.schedule={was!r}")
-        if schedule not in STEADY_SCHEDULES:
+        if schedule not in KINDS or not KINDS[schedule].steady:
             return
         for key in [k for k in now if k.startswith(("mesh.", "pipeline."))] + list(_LAYOUT_KEYS):
             if key in now and saved.get(key, now[key]) != now[key]:

@@ -536,40 +536,94 @@ def unroll(schedule: Schedule, windows: int = 3) -> Schedule:
                     np.concatenate(parts).astype(np.int32), s.stage_of)
 
 
-SCHEDULES = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": interleaved_1f1b,
-    "zb_h1": zb_h1,
-    "zbv": zbv,
-    "v_half": lambda p, m: v_schedule("v_half", p, m),
-    "v_min": lambda p, m: v_schedule("v_min", p, m),
-    "dualpipev": dualpipev,
-}
-# Steady schedules: one window of an endless pipeline per training step (no flush; see the module docstring).
-STEADY_SCHEDULES = {"2bw": two_bw}
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """What the checks, the executor, the step paths, the simulator, the bench and the docs know of a named
+    schedule: the one entry (`KINDS`) that spells its name.
+
+    build: (num_ranks, num_microbatches) -> Schedule, or (p, m, virtual_stages) with `chunks` None.
+    chunks: chunks (stages) per rank, or None: `pipeline.virtual_stages` of them (at least 2).
+    min_microbatches: (num_ranks) -> the fewest microbatches it runs.
+    ranks_divide_microbatches: microbatches must be a multiple of the ranks.
+    steady: one window of an endless pipeline per step (no flush: see the module docstring).
+    pairs: a tick may hold two actions on a rank (`Schedule.pair`).
+    flushing_twin: for a steady schedule, the flushing schedule with its placement, run where a step must
+      end with nothing in flight (eval).
+    summary: one line for the docs and the flags.
+    """
+    name: str
+    build: object
+    chunks: int | None = 1
+    min_microbatches: object = lambda p: 1
+    ranks_divide_microbatches: bool = False
+    steady: bool = False
+    pairs: bool = False
+    flushing_twin: str | None = None
+    summary: str = ""
+
+    @property
+    def flushes(self) -> bool:
+        return not self.steady
+
+    def virtual_stages(self, requested: int = 2) -> int:
+        """The `pipeline.virtual_stages` it runs with: its fixed chunk count, else `requested`."""
+        return self.chunks if self.chunks is not None else requested
+
+
+KINDS = {k.name: k for k in (
+    ScheduleKind("gpipe", gpipe, summary="all forwards, then all backwards"),
+    ScheduleKind("1f1b", one_f_one_b, summary="one forward, one backward: p - 1 live microbatches"),
+    ScheduleKind("interleaved_1f1b", interleaved_1f1b, chunks=None, ranks_divide_microbatches=True,
+                 summary="1F1B over v chunks per rank (Megatron's interleaving)"),
+    ScheduleKind("zb_h1", zb_h1, summary="zero bubble H1: the backward split into B and W"),
+    ScheduleKind("zbv", zbv, chunks=2, summary="zero bubble V: two chunks per rank in a V"),
+    ScheduleKind("v_half", lambda p, m: v_schedule("v_half", p, m), chunks=2,
+                 summary="V placement at about half of 1F1B's activation memory"),
+    ScheduleKind("v_min", lambda p, m: v_schedule("v_min", p, m), chunks=2,
+                 summary="V placement at the least activation memory"),
+    ScheduleKind("dualpipev", dualpipev, chunks=2, min_microbatches=lambda p: 2 * p, pairs=True,
+                 summary="DeepSeek's DualPipeV: a forward beside another microbatch's backward"),
+    ScheduleKind("2bw", two_bw, steady=True, flushing_twin="1f1b",
+                 summary="PipeDream-2BW: an endless 1F1B, each gradient applied one step late"),
+)}
+DEFAULT = "1f1b"  # `pipeline.schedule`'s default
+# The flushing schedules (a step ends with nothing in flight) and the steady ones, by name.
+SCHEDULES = {name: k.build for name, k in KINDS.items() if k.flushes}
+STEADY_SCHEDULES = {name: k.build for name, k in KINDS.items() if k.steady}
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registry entry of schedule `name`; raises ScheduleError naming the valid ones."""
+    if name not in KINDS:
+        raise ScheduleError(f"unknown schedule {name!r}; set one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def names(steady: bool | None = None) -> tuple:
+    """Schedule names in registry order (`steady`: only those that are / are not steady)."""
+    return tuple(n for n, k in KINDS.items() if steady is None or k.steady == steady)
 
 
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Builds schedule `name` for `num_ranks` pipeline ranks; raises ScheduleError naming the fix."""
-    if name not in SCHEDULES and name not in STEADY_SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; set one of {', '.join([*SCHEDULES, *STEADY_SCHEDULES])}")
+    kind = schedule_kind(name)
     p, m, v = num_ranks, num_microbatches, virtual_stages
     if p < 1 or m < 1:
         raise ScheduleError(f"{name}: need stages >= 1 and microbatches >= 1, got stages={p} "
                             f"microbatches={m}")
-    if name == "interleaved_1f1b":
+    if kind.chunks is None:
         if v < 2:
-            raise ScheduleError(f"interleaved_1f1b needs virtual_stages >= 2, got {v}; set virtual_stages=2")
-        if m % p:
-            raise ScheduleError(f"interleaved_1f1b needs microbatches a multiple of stages={p}, got {m}; "
+            raise ScheduleError(f"{name} needs virtual_stages >= 2, got {v}; set virtual_stages=2")
+        if kind.ranks_divide_microbatches and m % p:
+            raise ScheduleError(f"{name} needs microbatches a multiple of stages={p}, got {m}; "
                                 f"set microbatches={-(-m // p) * p}")
-        return interleaved_1f1b(p, m, v)
-    if name in ("zbv", "v_half", "v_min", "dualpipev"):
-        if v not in (1, 2):
-            raise ScheduleError(f"{name} always holds 2 chunks per rank, got virtual_stages={v}; set it to 2")
-        return SCHEDULES[name](p, m)
-    if v != 1:
+        return kind.build(p, m, v)
+    if kind.chunks > 1:
+        if v not in (1, kind.chunks):
+            raise ScheduleError(f"{name} always holds {kind.chunks} chunks per rank, got virtual_stages={v}; set "
+                                f"it to {kind.chunks}")
+    elif v != 1:
+        variable = [n for n, k in KINDS.items() if k.chunks is None]
         raise ScheduleError(f"{name} holds one chunk per rank, got virtual_stages={v}; set it to 1 or use "
-                            f"interleaved_1f1b")
-    return {**SCHEDULES, **STEADY_SCHEDULES}[name](p, m)
+                            f"{' or '.join(variable)}")
+    return kind.build(p, m)  # a generator refuses too few microbatches itself (`min_microbatches` says how many)

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from parallax.pipeline.schedule import B, BW, F, IDLE, W, SCHEDULES, Schedule, make_schedule, unroll
+from parallax.pipeline.schedule import B, BW, F, IDLE, KINDS, W, Schedule, make_schedule, unroll
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
 
@@ -72,7 +72,7 @@ def _cost_table(schedule: Schedule, costs) -> np.ndarray:
 
 def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0,
                vocab_parallel: bool = False) -> dict:
-    """Per-stage action costs from counted forward FLOPs (`parallax.plan.part_flops`), as the
+    """Per-stage action costs from counted forward FLOPs (`parallax.pipeline.work.part_flops`), as the
     executor runs the actions: F = the stage's layers (+ the embedding on stage 0; on the last stage the
     head and loss forward *and* backward, which its F runs to start the backward: 3 x `loss`), B = W = the
     layers' forward FLOPs each (input and weight gradients: one matmul each per forward matmul). With
@@ -201,13 +201,15 @@ def steady_bubbles(schedule: Schedule, steps: int = 4, costs: dict | None = None
 
 def bubble_table(p: int = 4, ms=(4, 8, 16)) -> list[tuple]:
     """Rows (schedule, m, async bubble, lockstep bubble, peak slots, ticks) for every schedule at unit
-    costs; interleaved_1f1b uses v=2."""
+    costs; a schedule of v chunks per rank (interleaved_1f1b) uses v=2."""
     rows = []
-    for name in SCHEDULES:
+    for name, kind in KINDS.items():
+        if kind.steady:
+            continue
         for m in ms:
-            if name == "dualpipev" and m < 2 * p:  # it needs m >= 2p
+            if m < kind.min_microbatches(p):
                 continue
-            s = make_schedule(name, p, m, 2 if name == "interleaved_1f1b" else 1)
+            s = make_schedule(name, p, m, kind.virtual_stages(2))
             lock, asyn = simulate(s, mode="lockstep"), simulate(s, mode="async")
             rows.append((name, m, asyn.bubble, lock.bubble, lock.peak_slots, s.num_ticks))
     return rows

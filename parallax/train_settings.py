@@ -1,0 +1,89 @@
+"""The training loop's settings (`config.train`), checked and typed once: `resolve(section) -> TrainSettings`.
+
+The loop (`parallax/train.py`), the trainer and the step paths read `TrainSettings`, never the section;
+every `config.train.*` error is raised here (one line: key, value, fix). The batch's divisibility by the
+data-parallel size is `check_batch`, called by the plan once the mesh is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from parallax.errors import ConfigError
+
+NAN_POLICIES = ("stop", "skip")
+# The arrays of a batch, each [rows, seq_len]: tokens in, tokens out, document ids, positions, loss weights.
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """`config.train`, typed (`resolve`)."""
+    steps: int
+    global_batch_size: int
+    seq_len: int
+    seed: int
+    microbatches: int  # gradient accumulation (without a pipeline)
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    async_checkpoint: bool
+    nan_policy: str  # stop | skip
+    sample_tokens: int
+    profile_steps: tuple  # () or (first, last)
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """`nan_policy=skip`: a step with a non-finite loss or gradient applies nothing."""
+        return self.nan_policy == "skip"
+
+    def abstract_batch(self) -> dict:
+        """ShapeDtypeStructs of one global batch."""
+        return batch_shapes(self.global_batch_size, self.seq_len)
+
+
+def batch_shapes(rows: int, seq_len: int) -> dict:
+    """ShapeDtypeStructs of a batch of `rows` rows of `seq_len` tokens (`BATCH_KEYS`)."""
+    return {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.float32 if k == "weights" else jnp.int32)
+            for k in BATCH_KEYS}
+
+
+def resolve(section) -> TrainSettings:
+    """`config.train` as `TrainSettings`; raises ConfigError naming the key, the value and the fix."""
+    t = section
+    for key in ("steps", "global_batch_size", "seq_len", "log_every", "keep_checkpoints", "microbatches"):
+        if int(t[key]) <= 0:
+            raise ConfigError(f"config.train.{key}={t[key]}: must be >= 1")
+    for key in ("eval_every", "checkpoint_every"):
+        if int(t[key]) < 0:
+            raise ConfigError(f"config.train.{key}={t[key]}: must be >= 0 (0 turns it off)")
+    if t.eval_every and t.eval_batches <= 0:
+        raise ConfigError(f"config.train.eval_batches={t.eval_batches}: must be >= 1 when eval_every > 0")
+    profile = tuple(t.profile_steps)
+    if profile and (len(profile) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in profile)
+                    or not 1 <= profile[0] <= profile[1] <= t.steps):
+        raise ConfigError(f"config.train.profile_steps={profile}: expected two steps FIRST,LAST with 1 <= FIRST <= "
+                          f"LAST <= train.steps={t.steps}, e.g. --config.train.profile_steps=3,5 (step 1 includes "
+                          f"compilation), or () for no profile")
+    if t.nan_policy not in NAN_POLICIES:
+        raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
+    return TrainSettings(
+        steps=int(t.steps), global_batch_size=int(t.global_batch_size), seq_len=int(t.seq_len), seed=int(t.seed),
+        microbatches=int(t.microbatches), log_every=int(t.log_every), eval_every=int(t.eval_every),
+        eval_batches=int(t.eval_batches), checkpoint_every=int(t.checkpoint_every),
+        keep_checkpoints=int(t.keep_checkpoints), async_checkpoint=bool(t.async_checkpoint),
+        nan_policy=str(t.nan_policy), sample_tokens=int(t.sample_tokens), profile_steps=profile)
+
+
+def check_batch(train: TrainSettings, data_parallel: int) -> None:
+    """The global batch splits over `data_parallel` ways (DiLoCo's replicas included) x `microbatches`."""
+    if train.global_batch_size % (data_parallel * train.microbatches):
+        raise ConfigError(
+            f"config.train.global_batch_size={train.global_batch_size}: must be divisible by data-parallel size "
+            f"{data_parallel} (mesh.replica included) x microbatches {train.microbatches} = "
+            f"{data_parallel * train.microbatches}")
