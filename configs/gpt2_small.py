@@ -21,6 +21,7 @@ def get_config():
                         max_positions=1024, dtype="bfloat16")
     config.train.update(steps=600_000, global_batch_size=480, microbatches=5, seq_len=1024, log_every=10,
                         eval_every=1000, checkpoint_every=1000, keep_checkpoints=3)
-    config.optim.update(lr=6e-4, warmup_steps=2000, weight_decay=0.1, clip_norm=1.0, b2=0.95)
+    config.optim.update(lr=6e-4, warmup_steps=2000, weight_decay=0.1, clip_norm=1.0)
+    config.optim.adamw.b2 = 0.95
     config.data.update(source="tokens", path="", eos_id=50256)
     return config

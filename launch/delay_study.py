@@ -8,7 +8,7 @@ Each run trains in WORKDIR/<optimizer>-<variant> (rerunning resumes / skips fini
 writes WORKDIR/delay_study.md (a Markdown table: final train loss averaged over the last logged tenth of
 the run, eval loss, and the gap to the same optimizer without delay) and WORKDIR/delay_study.png (loss
 curves). Every run uses the config's learning rate: Muon's updates are scaled to AdamW's RMS
-(`optim.muon_scale=rms`), so one lr serves both.
+(`optim.muon.scale=rms`), so one lr serves both.
 """
 
 import json

@@ -56,8 +56,45 @@ def _parse_value(key: str, text: str, current):
     raise ConfigError(f"config.{key}={text!r}: keys of type {expected.__name__} cannot be overridden from the command line")
 
 
+# Keys renamed since configs were first saved: old dotted name -> new. The one place a rename is recorded:
+# a saved `config.json` is migrated by it when loaded (`migrate`), and an override or config file that
+# spells an old name is told the new one.
+RENAMED = {
+    # 2026-12 (settings redesign): each optimizer's keys are its own section, `optim.NAME`
+    "optim.b1": "optim.adamw.b1", "optim.b2": "optim.adamw.b2", "optim.eps": "optim.adamw.eps",
+    "optim.muon_beta": "optim.muon.beta", "optim.muon_nesterov": "optim.muon.nesterov",
+    "optim.muon_ns_steps": "optim.muon.ns_steps", "optim.muon_scale": "optim.muon.scale",
+    "optim.muon_rms": "optim.muon.rms", "optim.muon_exclude": "optim.muon.exclude",
+    "optim.sgd_momentum": "optim.sgd.momentum",
+}
+
+
+def migrate(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A saved config (`config_from_json`) with every key of `RENAMED` moved to its new name (a copy)."""
+    out = ml_collections.ConfigDict(saved.to_dict())
+    for old, new in RENAMED.items():
+        *where, key = old.split(".")
+        node = out
+        for part in where:
+            node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+        if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+            continue
+        value = node[key]
+        del node[key]
+        *path, name = new.split(".")
+        target = out
+        for part in path:
+            if part not in target:
+                target[part] = ml_collections.ConfigDict()
+            target = target[part]
+        target[name] = value
+    return out
+
+
 def apply_override(config: ml_collections.ConfigDict, key: str, text: str) -> None:
     """Sets `config.<key>` (dotted) from a command-line string, strictly."""
+    if key in RENAMED:
+        raise ConfigError(f"config.{key}: renamed to {RENAMED[key]}; pass --config.{RENAMED[key]}={text}")
     parts = key.split(".")
     node = config
     for i, part in enumerate(parts):

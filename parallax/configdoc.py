@@ -2,22 +2,27 @@
 
     python -m parallax.configdoc > docs/config-keys.md
 
-The meanings are the comments beside the defaults: `parallax/defaults.py` (`default_config`),
-`parallax/model.py` (`GENERIC_KEYS`) and each registered model's module (its `config_defaults()`). A key
+The meanings are the comments beside the defaults: each section's home (`KEYS` in the module of the
+mechanism that reads it: `HOMES`; each optimizer's in its class), `parallax/defaults.py` (`default_config`:
+data, dist), `parallax/model.py` (`GENERIC_KEYS`) and each registered model's module (its `config_defaults()`). A key
 without one is an error here, and `tests/test_config.py` fails when the checked-in page differs from what
 this prints, so the page stays current.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import inspect
 import re
 import sys
+import textwrap
 
 import ml_collections
 
-from parallax import defaults, model
+from parallax import defaults, diloco_settings, model, optim, train_settings
+from parallax import mesh as mesh_lib
+from parallax.pipeline import settings as pipeline_settings
 from parallax.sharding import DEFAULT_RULES
 
 # `key=value,  # meaning` or `"key": value,  # meaning`: one key per line, its meaning in the comment
@@ -37,6 +42,21 @@ def _comments(source: str, sectioned: bool = False) -> dict:
         if match:
             found.setdefault((section, match.group(1)) if sectioned else match.group(1), match.group(2).strip())
     return found
+
+
+def _keys_source(owner) -> str:
+    """The source of the `KEYS = dict(...)` statement of a module or class: a section's declaration."""
+    source = textwrap.dedent(inspect.getsource(owner))
+    body = ast.parse(source).body
+    if isinstance(owner, type):
+        body = body[0].body
+    node = next(n for n in body if isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["KEYS"])
+    return "\n".join(source.splitlines()[node.lineno - 1:node.end_lineno])
+
+
+# Each section's home: where its keys are declared (`KEYS`) with their meanings; None: `default_config` itself.
+HOMES = {"mesh": mesh_lib, "train": train_settings, "optim": optim, "pipeline": pipeline_settings,
+         "diloco": diloco_settings, "data": None, "dist": None}
 
 
 def _rows(section: str, node, meaning) -> list[tuple]:
@@ -84,13 +104,19 @@ def config_keys_page() -> str:
              "Every key parallax reads, with its default, its type and what it means; set any of them with",
              "`--config.SECTION.KEY=VALUE` or in a config file ([Config files and overrides](configs.md)).",
              "`launch/train.py --config=FILE --print_config` prints a config with every key spelled out.", "",
-             "This page is generated from the comments beside the defaults (`parallax/defaults.py`, "
-             "`GENERIC_KEYS` in",
-             "`parallax/model.py`, each model's `config_defaults()`): `python -m parallax.configdoc > "
-             "docs/config-keys.md`;",
+             "This page is generated from the comments beside the defaults (each section's `KEYS` in the "
+             "module that reads it,",
+             "`parallax/defaults.py`, `GENERIC_KEYS` in `parallax/model.py`, each model's `config_defaults()`):",
+             "`python -m parallax.configdoc > docs/config-keys.md`;",
              "a test fails when it is out of date.", ""]
-    for section in ("mesh", "train", "optim", "pipeline", "diloco", "data", "dist"):
-        lines += _table(section, "", _rows(section, base[section], lambda k, s=section: general.get((s, k))))
+    for section, home in HOMES.items():
+        comments = _comments(_keys_source(home)) if home else {k: v for (s, k), v in general.items() if s == section}
+        lines += _table(section, "", _rows(section, base[section], comments.get))
+        if section == "optim":  # each optimizer's own section
+            for name, cls in optim.OPTIMIZERS.items():
+                lines += _table(f"optim.{name}", f"Read with `optim.name={name}`" + (
+                    " (and by Muon, for the parameters it leaves to AdamW)." if name == "adamw" else "."),
+                    _rows(f"optim.{name}", base.optim[name], _comments(_keys_source(cls)).get))
     lines += _table("model", "Read by parallax for every model; `model.name` picks the model, whose own keys "
                     "follow.", _rows("model", model.GENERIC_KEYS, generic.get))
     registered = {ep.name: ep.load() for ep in importlib.metadata.entry_points(group=model.ENTRY_POINT_GROUP)}

@@ -17,9 +17,12 @@ import traceback
 
 import ml_collections
 
-from parallax.config import apply_override, config_from_json
+from parallax import diloco_settings, optim, train_settings
+from parallax import mesh as mesh_lib
+from parallax.config import RENAMED, apply_override, config_from_json, migrate
 from parallax.errors import ConfigError
 from parallax.model import config_file_dir, model_class, model_config_defaults, resolve_model_name
+from parallax.pipeline import settings as pipeline_settings
 from parallax.sharding import make_rules
 
 
@@ -33,79 +36,17 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     `config.model.name` holds it absolute (`parallax.model.resolve_model_name`)."""
     model = resolve_model_name(model)
     c = ml_collections.ConfigDict()
-    # Every key below has its meaning in a comment on its line: `parallax/configdoc.py` builds the page of
-    # config keys (docs/config-keys.md) from them, and a test fails when a key has none.
-    c.mesh = ml_collections.ConfigDict(dict(
-        replica=1,  # DiLoCo replicas: each trains its own copy of the model, synced every `diloco.sync_every` steps
-        data=-1,  # data-parallel size (-1: what the other axes leave of the device count)
-        fsdp=1,  # FSDP (ZeRO-3) size: parameters, gradients and optimizer state sharded over it
-        pipe=1,  # pipeline stages (the layer stack split over them; `pipeline.*` picks the schedule)
-        expert=1,  # expert-parallel size (a batch axis for models without experts)
-        seq=1,  # sequence-parallel size (attention over it: `model.attention`)
-        tensor=1,  # tensor-parallel size (Megatron column / row splits)
-    ))
+    # Each section's keys are declared by the mechanism that reads them (`KEYS` in its module), each with its
+    # meaning in a comment on its line: `parallax/configdoc.py` builds the page of config keys
+    # (docs/config-keys.md) from them, and a test fails when a key has none.
+    c.mesh = ml_collections.ConfigDict(mesh_lib.KEYS)
     c.model = ml_collections.ConfigDict(model_config_defaults(model))
-    c.train = ml_collections.ConfigDict(dict(
-        steps=100,  # optimizer steps of the run
-        global_batch_size=8,  # sequences per step, over all devices
-        seq_len=64,  # tokens per sequence
-        seed=0,  # parameters and data order (a batch is a function of seed, step and row)
-        microbatches=1,  # gradient accumulation: the batch in this many pieces, one at a time
-        log_every=10,  # steps between progress lines and metrics.jsonl rows
-        eval_every=50,  # steps between evals (0: none); also after the last step
-        eval_batches=2,  # batches per eval
-        checkpoint_every=50,  # steps between checkpoints (0: only the last step and on a stop signal)
-        keep_checkpoints=2,  # checkpoints kept (the oldest are deleted)
-        async_checkpoint=True,  # save in the background while training goes on
-        nan_policy="stop",  # stop | skip: on a non-finite loss or gradient, stop without saving, or skip the step
-        sample_tokens=200,  # tokens launch/sample.py generates by default
-        profile_steps=(),  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
-    ))
-    c.optim = ml_collections.ConfigDict(dict(
-        name="adamw",  # adamw | muon (Muon for matrices, AdamW for the rest) | sgd (with sgd_momentum)
-        lr=1e-3,  # peak learning rate
-        warmup_steps=10,  # linear warmup from 0 to lr
-        weight_decay=0.1,  # decoupled weight decay, of matrices only (not norm scales or biases)
-        clip_norm=1.0,  # global gradient-norm clipping (0: none)
-        b1=0.9,  # Adam's first-moment decay
-        b2=0.95,  # Adam's second-moment decay
-        eps=1e-8,  # Adam's epsilon
-        min_lr_ratio=0.1,  # the schedule ends at lr * min_lr_ratio
-        decay_steps=0,  # the schedule's length (0: train.steps); keep it to extend a run
-        schedule="cosine",  # cosine | wsd (warmup-stable-decay) | constant
-        wsd_decay_fraction=0.2,  # wsd: the final fraction of the steps that decays linearly
-        sgd_momentum=0.0,  # sgd: heavy-ball momentum (0: plain SGD)
-        muon_beta=0.95,  # Muon's momentum
-        muon_nesterov=True,  # Muon: Nesterov momentum
-        muon_ns_steps=5,  # Muon: Newton-Schulz iterations
-        muon_scale="rms",  # rms (the update's RMS matched to AdamW's, muon_rms) | width (sqrt(d_out / d_in))
-        muon_rms=0.2,  # muon_scale=rms: the RMS of Muon's update
-        muon_exclude="vocab",  # logical names (comma-separated) whose parameters go to AdamW under Muon
-        grad_delay=0,  # 0 | 1: apply the previous step's gradient (a one-step delay)
-        delay_correction="none",  # none | error_feedback: correct for the gradient delay
-        offload_state=False,  # keep the optimizer state in host memory; the step brings it to the chips to update
-    ))
-    c.pipeline = ml_collections.ConfigDict(dict(
-        schedule="1f1b",  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | v_half | v_min | dualpipev | 2bw (pipe > 1)
-        microbatches=4,  # pipeline microbatches per step
-        virtual_stages=1,  # stages (chunks) per pipeline rank (interleaved_1f1b; zbv, v_half, v_min, dualpipev take 2)
-        remat=False,  # store only each chunk's input and recompute its forward in the backward
-        layout="even",  # layers per stage: even | auto (the shortest simulated step at counted FLOPs) | "3,5"
-        vocab_parallel=False,  # embedding, head and loss split over the pipe ranks along the vocabulary (untied head)
-    ))
-    # DiLoCo (parallax/paths/diloco.py): with mesh.replica > 1, each replica trains alone for sync_every
-    # steps, then the replicas' mean parameter change moves the global parameters by the outer optimizer.
-    c.diloco = ml_collections.ConfigDict(dict(
-        sync_every=50,  # inner steps between outer syncs (DiLoCo's H), with mesh.replica > 1
-        outer_lr=0.7,  # the outer optimizer's learning rate (DiLoCo: 0.7; 1 with outer_momentum=0: averaging)
-        outer_momentum=0.9,  # the outer optimizer's momentum (0: plain SGD)
-        nesterov=True,  # Nesterov momentum for the outer optimizer
-        pseudo_grad_dtype="float32",  # float32 | bfloat16 | int8: what the pseudo-gradients travel as
-        error_feedback=True,  # bfloat16 / int8: add each replica's rounding error to its next pseudo-gradient
-        fragments=1,  # Streaming DiLoCo: the layer stack in this many parts, synced at staggered steps
-        overlap=0,  # 0 | 1: a fragment's exchange runs beside the next inner step and is applied after it
-        mix=0.5,  # overlap=1: a replica's synced fragment becomes mix * its own + (1 - mix) * the new global one
-    ))
+    c.train = ml_collections.ConfigDict(train_settings.KEYS)
+    c.optim = ml_collections.ConfigDict(optim.KEYS)
+    for name, cls in optim.OPTIMIZERS.items():  # each optimizer's own section: optim.adamw, optim.muon, ...
+        c.optim[name] = ml_collections.ConfigDict(cls.KEYS)
+    c.pipeline = ml_collections.ConfigDict(pipeline_settings.KEYS)
+    c.diloco = ml_collections.ConfigDict(diloco_settings.KEYS)
     c.data = ml_collections.ConfigDict(dict(
         source="synthetic",  # synthetic | text (bytes of files) | tokens (shard directories or one token file)
         path="",  # text: a directory ('': the Python stdlib); tokens: shard directories (comma-separated) or a file
@@ -131,7 +72,8 @@ def default_config(model: str) -> ml_collections.ConfigDict:
 
 def with_defaults(saved):
     """A saved config laid over today's `default_config` for its model: keys added since it was written
-    (e.g. model.loss_chunk, optim.schedule) take their defaults, so it compares and loads as today's."""
+    (e.g. model.loss_chunk, optim.schedule) take their defaults, and keys renamed since (`config.RENAMED`)
+    move to their new names, so it compares and loads as today's."""
     def overlay(base, over):
         for key, value in over.items():
             if isinstance(value, ml_collections.ConfigDict) and isinstance(base.get(key), ml_collections.ConfigDict):
@@ -148,7 +90,7 @@ def with_defaults(saved):
                           f"files were stored by absolute path): run from the directory that run was started in, "
                           f"or write the file's absolute path into that config.json") from None
     with config.unlocked():
-        overlay(config, saved)
+        overlay(config, migrate(saved))
     config.model.name = resolve_model_name(config.model.name)  # the saved relative name, made absolute again
     return config
 
@@ -209,6 +151,9 @@ def _describe_config_file_error(path: str, error: Exception) -> str:
         key, section = unknown.group(1), _raising_config_dict(error.__traceback__)
         valid = sorted(section.keys()) if section is not None else []
         close = difflib.get_close_matches(key, valid, n=3) or valid
+        renamed = [new for old, new in RENAMED.items() if old.rsplit(".", 1)[1] == key]
+        if renamed:
+            return f"--config={where}: unknown key {key!r}{code}; it was renamed to {renamed[0]}"
         return (f"--config={where}: unknown key {key!r}{code}; close valid keys: {', '.join(close)} (configs "
                 f"start from default_config(), which holds every key; a model's own come from its config_defaults())")
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""

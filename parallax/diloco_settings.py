@@ -12,6 +12,19 @@ import dataclasses
 from parallax.errors import ConfigError
 
 PSEUDO_GRAD_DTYPES = ("float32", "bfloat16", "int8")
+# The section `config.diloco` (read with mesh.replica > 1).
+KEYS = dict(
+    sync_every=50,  # inner steps between outer syncs (DiLoCo's H), with mesh.replica > 1
+    outer_lr=0.7,  # the outer optimizer's learning rate (DiLoCo: 0.7; 1 with outer_momentum=0: averaging)
+    outer_momentum=0.9,  # the outer optimizer's momentum (0: plain SGD)
+    nesterov=True,  # Nesterov momentum for the outer optimizer
+    pseudo_grad_dtype="float32",  # float32 | bfloat16 | int8: what the pseudo-gradients travel as
+    error_feedback=True,  # bfloat16 / int8: add each replica's rounding error to its next pseudo-gradient
+    fragments=1,  # Streaming DiLoCo: the layer stack in this many parts, synced at staggered steps
+    overlap=0,  # 0 | 1: a fragment's exchange runs beside the next inner step and is applied after it
+    mix=0.5,  # overlap=1: a replica's synced fragment becomes mix * its own + (1 - mix) * the new global one
+)
+
 
 
 @dataclasses.dataclass(frozen=True)

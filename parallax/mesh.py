@@ -19,6 +19,17 @@ AXES = ("replica", "data", "fsdp", "pipe", "expert", "seq", "tensor")
 # DiLoCo's replicas (`parallax.paths.diloco`): each holds its own copy of the model, so no step but the
 # outer sync communicates over it, and no sharding rule may name it.
 REPLICA = "replica"
+# The section `config.mesh`: one size per axis.
+KEYS = dict(
+    replica=1,  # DiLoCo replicas: each trains its own copy of the model, synced every `diloco.sync_every` steps
+    data=-1,  # data-parallel size (-1: what the other axes leave of the device count)
+    fsdp=1,  # FSDP (ZeRO-3) size: parameters, gradients and optimizer state sharded over it
+    pipe=1,  # pipeline stages (the layer stack split over them; `pipeline.*` picks the schedule)
+    expert=1,  # expert-parallel size (a batch axis for models without experts)
+    seq=1,  # sequence-parallel size (attention over it: `model.attention`)
+    tensor=1,  # tensor-parallel size (Megatron column / row splits)
+)
+
 
 
 def simulate_cpu_devices(n: int) -> None:

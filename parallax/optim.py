@@ -12,9 +12,9 @@ Every choice is made from the parameters' logical axis names, never from paramet
   last dim: `wq [embed | heads, head_dim]`, `wo [heads, head_dim | embed]`, `w_down [mlp | embed]`.
   Expert weights `[layers, experts, d_in, d_out]` are L x E matrices. Everything outside the stack
   (embeddings, positions, the head), every non-matrix (norms, biases), MoE routers (logical name
-  `router`) and any stack matrix that names one of `optim.muon_exclude` goes to AdamW, with the same learning rate schedule.
-  The update RMS is matched to AdamW's by default (`muon_scale=rms`: `muon_rms * sqrt(max(d_in, d_out))`,
-  0.2 as in Moonlight), so one `lr` serves both; `muon_scale=width` is Keller Jordan's
+  `router`) and any stack matrix that names one of `optim.muon.exclude` goes to AdamW, with the same learning rate schedule.
+  The update RMS is matched to AdamW's by default (`optim.muon.scale=rms`: `rms * sqrt(max(d_in, d_out))`,
+  0.2 as in Moonlight), so one `lr` serves both; `scale=width` is Keller Jordan's
   `sqrt(max(1, d_out / d_in))` for Muon's own, larger learning rates.
 - **Gradient delay** (`optim.grad_delay=1`): the update at step t uses the gradient computed at step t-1's
   parameters, `w[t+1] = w[t] - lr * u(g(w[t-1]))`, what an asynchronous PipeDream-2BW pipeline computes.
@@ -305,13 +305,19 @@ def error_feedback(inner: optax.GradientTransformation) -> optax.GradientTransfo
 @dataclasses.dataclass(frozen=True)
 class AdamW:
     """`optim.name=adamw`: Adam's moments with decoupled weight decay of the matrices (`decay_mask`)."""
+    KEYS = dict(  # config.optim.adamw; also Muon's AdamW part
+        b1=0.9,  # Adam's first-moment decay
+        b2=0.95,  # Adam's second-moment decay
+        eps=1e-8,  # Adam's epsilon
+    )
     b1: float
     b2: float
     eps: float
 
     @classmethod
     def resolve(cls, o) -> "AdamW":
-        return cls(b1=float(o.b1), b2=float(o.b2), eps=float(o.eps))
+        a = o.adamw
+        return cls(b1=float(a.b1), b2=float(a.b2), eps=float(a.eps))
 
     def transform(self, s: "OptimSettings", schedule, logical_names, mesh=None) -> optax.GradientTransformation:
         return optax.adamw(learning_rate=schedule, b1=self.b1, b2=self.b2, eps=self.eps,
@@ -321,6 +327,14 @@ class AdamW:
 @dataclasses.dataclass(frozen=True)
 class Muon:
     """`optim.name=muon`: Muon for the stack's matrices, `adamw` for the rest (the module docstring)."""
+    KEYS = dict(  # config.optim.muon
+        beta=0.95,  # Muon's momentum
+        nesterov=True,  # Nesterov momentum
+        ns_steps=5,  # Newton-Schulz iterations
+        scale="rms",  # rms (the update's RMS matched to AdamW's: rms) | width (sqrt(d_out / d_in))
+        rms=0.2,  # scale=rms: the RMS of Muon's update
+        exclude="vocab",  # logical names (comma-separated) whose parameters go to AdamW (optim.adamw)
+    )
     beta: float
     nesterov: bool
     ns_steps: int
@@ -331,14 +345,14 @@ class Muon:
 
     @classmethod
     def resolve(cls, o) -> "Muon":
-        if o.muon_scale not in ("rms", "width"):
-            raise ConfigError(f"config.optim.muon_scale={o.muon_scale!r}: expected one of rms, width")
-        if int(o.muon_ns_steps) < 1 or not 0 <= float(o.muon_beta) < 1 or float(o.muon_rms) <= 0:
-            raise ConfigError(f"config.optim: muon_ns_steps={o.muon_ns_steps} must be >= 1, muon_beta={o.muon_beta} "
-                              f"in [0, 1) and muon_rms={o.muon_rms} > 0")
-        return cls(beta=float(o.muon_beta), nesterov=bool(o.muon_nesterov), ns_steps=int(o.muon_ns_steps),
-                   scale=str(o.muon_scale), rms=float(o.muon_rms), exclude=_names(o.muon_exclude),
-                   adamw=AdamW.resolve(o))
+        m = o.muon
+        if m.scale not in ("rms", "width"):
+            raise ConfigError(f"config.optim.muon.scale={m.scale!r}: expected one of rms, width")
+        if int(m.ns_steps) < 1 or not 0 <= float(m.beta) < 1 or float(m.rms) <= 0:
+            raise ConfigError(f"config.optim.muon: ns_steps={m.ns_steps} must be >= 1, beta={m.beta} in [0, 1) and "
+                              f"rms={m.rms} > 0")
+        return cls(beta=float(m.beta), nesterov=bool(m.nesterov), ns_steps=int(m.ns_steps), scale=str(m.scale),
+                   rms=float(m.rms), exclude=_names(m.exclude), adamw=AdamW.resolve(o))
 
     def transform(self, s: "OptimSettings", schedule, logical_names, mesh=None) -> optax.GradientTransformation:
         return _muon(self, s, schedule, logical_names, mesh)
@@ -348,13 +362,16 @@ class Muon:
 class SGD:
     """`optim.name=sgd`: heavy-ball momentum (0: plain), decoupled decay. Linear in the gradients: DiLoCo's
     exactness reference (a mean of steps is a step)."""
+    KEYS = dict(  # config.optim.sgd
+        momentum=0.0,  # heavy-ball momentum (0: plain SGD)
+    )
     momentum: float
 
     @classmethod
     def resolve(cls, o) -> "SGD":
-        if not 0 <= float(o.sgd_momentum) < 1:
-            raise ConfigError(f"config.optim.sgd_momentum={o.sgd_momentum}: expected a value in [0, 1)")
-        return cls(momentum=float(o.sgd_momentum))
+        if not 0 <= float(o.sgd.momentum) < 1:
+            raise ConfigError(f"config.optim.sgd.momentum={o.sgd.momentum}: expected a value in [0, 1)")
+        return cls(momentum=float(o.sgd.momentum))
 
     def transform(self, s: "OptimSettings", schedule, logical_names, mesh=None) -> optax.GradientTransformation:
         # the decay after the momentum, so it stays decoupled (lr * wd * p), as AdamW's
@@ -363,11 +380,26 @@ class SGD:
                            optax.scale_by_learning_rate(schedule))
 
 
-# `optim.name` -> its typed settings: a new optimizer is one class here with `resolve(section)` (its own
-# ConfigErrors) and `transform(settings, schedule, logical_names, mesh)`, plus its keys in `optim` of
-# `parallax/defaults.py`.
+# `optim.name` -> its typed settings: a new optimizer is one class here with its keys (`KEYS`: the section
+# `config.optim.NAME`, each key's meaning in a comment), `resolve(optim_section)` (its own ConfigErrors) and
+# `transform(settings, schedule, logical_names, mesh)`, and one entry in this table.
 OPTIMIZERS = {"adamw": AdamW, "muon": Muon, "sgd": SGD}
 NAMES = tuple(OPTIMIZERS)
+# The keys every optimizer reads (`config.optim`); each optimizer's own are its section (`OPTIMIZERS[name].KEYS`).
+KEYS = dict(
+    name="adamw",  # adamw | muon (Muon for matrices, optim.adamw for the rest) | sgd: reads optim.NAME's keys
+    lr=1e-3,  # peak learning rate
+    warmup_steps=10,  # linear warmup from 0 to lr
+    weight_decay=0.1,  # decoupled weight decay, of matrices only (not norm scales or biases)
+    clip_norm=1.0,  # global gradient-norm clipping (0: none)
+    min_lr_ratio=0.1,  # the schedule ends at lr * min_lr_ratio
+    decay_steps=0,  # the schedule's length (0: train.steps); keep it to extend a run
+    schedule="cosine",  # cosine | wsd (warmup-stable-decay) | constant
+    wsd_decay_fraction=0.2,  # wsd: the final fraction of the steps that decays linearly
+    grad_delay=0,  # 0 | 1: apply the previous step's gradient (a one-step delay)
+    delay_correction="none",  # none | error_feedback: correct for the gradient delay
+    offload_state=False,  # keep the optimizer state in host memory; the step brings it to the chips to update
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,8 +432,7 @@ def resolve(section, stale_gradients: bool = False) -> OptimSettings:
     o = section
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"config.optim.name={o.name!r}: expected one of {', '.join(NAMES)}")
-    choices = (("schedule", SCHEDULES), ("muon_scale", ("rms", "width")),
-               ("delay_correction", ("none", "error_feedback")))
+    choices = (("schedule", SCHEDULES), ("delay_correction", ("none", "error_feedback")))
     for key, valid in choices:
         if o[key] not in valid:
             raise ConfigError(f"config.optim.{key}={o[key]!r}: expected one of {', '.join(valid)}")
@@ -413,8 +444,8 @@ def resolve(section, stale_gradients: bool = False) -> OptimSettings:
                           f"whose gradients are one step stale) or optim.delay_correction=none")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
-    SGD.resolve(o)  # every optimizer's keys are checked, whichever is named (a later switch must not fail)
-    Muon.resolve(o)
+    for cls in OPTIMIZERS.values():  # every optimizer's keys are checked, whichever is named
+        cls.resolve(o)
     if o.lr < 0 or o.warmup_steps < 0 or o.decay_steps < 0 or o.weight_decay < 0 or o.clip_norm < 0:
         raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
                           f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")
@@ -427,11 +458,11 @@ def resolve(section, stale_gradients: bool = False) -> OptimSettings:
 
 
 def check_exclude(section, rules) -> None:
-    """`optim.muon_exclude` of the `optim` section names logical axes of the model (`rules`: its rules
+    """`optim.muon.exclude` of the `optim` section names logical axes of the model (`rules`: its rules
     table), whichever optimizer is named (a later switch to Muon must not fail)."""
-    for name in _names(section.muon_exclude):
+    for name in _names(section.muon.exclude):
         if name not in rules:
-            raise ConfigError(f"config.optim.muon_exclude={section.muon_exclude!r}: {name!r} is not a logical axis "
+            raise ConfigError(f"config.optim.muon.exclude={section.muon.exclude!r}: {name!r} is not a logical axis "
                               f"name of this model (names: {', '.join(sorted(rules))}); e.g. vocab")
 
 

@@ -14,6 +14,23 @@ import jax.numpy as jnp
 
 from parallax.errors import ConfigError
 
+# The section `config.train`.
+KEYS = dict(
+    steps=100,  # optimizer steps of the run
+    global_batch_size=8,  # sequences per step, over all devices
+    seq_len=64,  # tokens per sequence
+    seed=0,  # parameters and data order (a batch is a function of seed, step and row)
+    microbatches=1,  # gradient accumulation: the batch in this many pieces, one at a time
+    log_every=10,  # steps between progress lines and metrics.jsonl rows
+    eval_every=50,  # steps between evals (0: none); also after the last step
+    eval_batches=2,  # batches per eval
+    checkpoint_every=50,  # steps between checkpoints (0: only the last step and on a stop signal)
+    keep_checkpoints=2,  # checkpoints kept (the oldest are deleted)
+    async_checkpoint=True,  # save in the background while training goes on
+    nan_policy="stop",  # stop | skip: on a non-finite loss or gradient, stop without saving, or skip the step
+    sample_tokens=200,  # tokens launch/sample.py generates by default
+    profile_steps=(),  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
+)
 NAN_POLICIES = ("stop", "skip")
 # The arrays of a batch, each [rows, seq_len]: tokens in, tokens out, document ids, positions, loss weights.
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")

@@ -259,3 +259,46 @@ def test_platform_flags_are_added_per_platform_and_a_users_setting_wins():
         assert detect_platform() == "gpu"
     finally:
         os.environ.pop("JAX_PLATFORMS") if old is None else os.environ.update(JAX_PLATFORMS=old)
+
+
+SAVED_BEFORE_RENAMES = os.path.join(ROOT, "tests", "saved", "config_86d63e5.json")
+
+
+def test_a_config_json_saved_before_the_settings_redesign_resumes_and_trains(tmp_path):
+    """tests/saved/config_86d63e5.json is the config.json a run of 86d63e5 wrote (tiny llama, Muon, fsdp 2,
+    4 steps, muon_beta=0.9, b2=0.98, muon_ns_steps=4 in the flat optimizer keys since renamed). A workdir whose
+    checkpoint it describes resumes under today's code, and the resumed run equals one never stopped."""
+    from helpers import read_metrics
+    from parallax.train import train_and_evaluate
+    with open(SAVED_BEFORE_RENAMES) as f:
+        saved = f.read()
+    assert '"muon_beta"' in saved and '"b1"' in saved  # the old spelling: what the migration must read
+    config = load_config_file(SAVED_BEFORE_RENAMES)
+    assert (config.optim.name, config.optim.muon.beta, config.optim.adamw.b2, config.optim.muon.ns_steps) == (
+        "muon", 0.9, 0.98, 4)
+    assert "muon_beta" not in config.optim and "b2" not in config.optim  # moved, not copied
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    first = load_config_file(SAVED_BEFORE_RENAMES)
+    first.train.steps = 2  # optim.decay_steps=4 keeps the LR schedule of the whole run
+    train_and_evaluate(first, str(stopped), log=lambda *_: None)
+    (stopped / "config.json").write_text(saved)  # the workdir as 86d63e5 would have left it
+    train_and_evaluate(load_config_file(SAVED_BEFORE_RENAMES), str(stopped), log=lambda *_: None)
+    train_and_evaluate(load_config_file(SAVED_BEFORE_RENAMES), str(straight), log=lambda *_: None)
+    resumed, never_stopped = read_metrics(stopped), read_metrics(straight)
+    assert [r["step"] for r in resumed if "loss" in r] == [1, 2, 3, 4]
+    assert [(r["step"], r["loss"]) for r in resumed if "loss" in r] == [
+        (r["step"], r["loss"]) for r in never_stopped if "loss" in r]
+
+
+def test_a_renamed_key_names_its_new_name(tmp_path):
+    config = load_config_file(os.path.join(ROOT, "configs/tiny.py"))
+    with pytest.raises(ConfigError, match=r"^config.optim.muon_beta: renamed to optim.muon.beta; pass "
+                                          r"--config.optim.muon.beta=0.9$"):
+        apply_override(config, "optim.muon_beta", "0.9")
+    old = tmp_path / "old.py"
+    old.write_text("from parallax.defaults import default_config\n\n\ndef get_config():\n"
+                   "    config = default_config(model='llama')\n    config.optim.update(sgd_momentum=0.9)\n"
+                   "    return config\n")
+    with pytest.raises(ConfigError, match=r"old.py:6: unknown key 'sgd_momentum' .*; it was renamed to "
+                                          r"optim.sgd.momentum$"):
+        load_config_file(str(old))

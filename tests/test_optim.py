@@ -16,6 +16,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from helpers import ROOT, assert_parity, loss_grads_and_steps, read_metrics, rel_err, tiny_config
 from parallax import hlo, optim
+from parallax.config import apply_override
 from parallax.defaults import load_config_file
 from parallax.errors import ConfigError
 from parallax.plan import make_plan
@@ -36,7 +37,7 @@ def test_muon_dims_follow_the_logical_names():
     assert dims(("layers", "experts", "embed", "mlp")) == MuonDimensionNumbers((2,), (3,))  # experts: a batch dim
     assert dims(("layers", "experts", "mlp")) is None  # a stacked expert bias
     assert dims(("layers", "embed", "router")) is None  # a MoE router: always AdamW
-    assert dims(("layers", "embed", "mlp"), exclude=("mlp",)) is None  # optim.muon_exclude
+    assert dims(("layers", "embed", "mlp"), exclude=("mlp",)) is None  # optim.muon.exclude
 
 
 def test_weight_decay_applies_to_matrices_only():
@@ -127,34 +128,35 @@ def test_bad_optimizer_settings_are_one_line_errors():
     for key, value, match in [("name", "lion", "expected one of adamw, muon, sgd"),
                               ("grad_delay", 2, "expected 0 or 1"),
                               ("schedule", "linear", "expected one of cosine, wsd, constant"),
-                              ("muon_rms", 0.0, "muon_rms=0.0 > 0"), ("muon_exclude", "vocabs", "'vocabs' is not a"),
+                              ("muon.rms", 0.0, "rms=0.0 > 0"), ("muon.exclude", "vocabs", "'vocabs' is not a"),
                               ("delay_correction", "ef", "expected one of none, error_feedback"),
                               ("delay_correction", "error_feedback", "set optim.grad_delay=1")]:
         config = tiny_config(data=8)
-        config.optim[key] = value
+        apply_override(config, f"optim.{key}", str(value))
         with pytest.raises(ConfigError, match=match):
             make_plan(config, 8)
 
 
 def test_optimizer_settings_are_checked_at_their_range_boundaries():
-    def error(**settings):
+    def error(section="", **settings):
         config = tiny_config(data=8)
-        config.optim.update(settings)
+        (config.optim[section] if section else config.optim).update(settings)
         try:
             optim.resolve(config.optim)
         except ConfigError as e:
             return str(e)
-    for ok in [dict(muon_scale="width"), dict(muon_scale="rms"), dict(wsd_decay_fraction=1.0),
-               dict(wsd_decay_fraction=1e-3), dict(muon_ns_steps=1), dict(muon_beta=0.0), dict(muon_beta=0.999),
-               dict(sgd_momentum=0.0), dict(sgd_momentum=0.999)]:
+    for ok in [dict(section="muon", scale="width"), dict(section="muon", scale="rms"), dict(wsd_decay_fraction=1.0),
+               dict(wsd_decay_fraction=1e-3), dict(section="muon", ns_steps=1), dict(section="muon", beta=0.0),
+               dict(section="muon", beta=0.999), dict(section="sgd", momentum=0.0),
+               dict(section="sgd", momentum=0.999)]:
         assert error(**ok) is None, ok
     for bad in (1.0, -0.1):
-        assert error(sgd_momentum=bad) == f"config.optim.sgd_momentum={bad}: expected a value in [0, 1)"
+        assert error("sgd", momentum=bad) == f"config.optim.sgd.momentum={bad}: expected a value in [0, 1)"
     assert error(wsd_decay_fraction=0.0) == error(wsd_decay_fraction=1.5).replace("1.5", "0.0") == (
         "config.optim.wsd_decay_fraction=0.0: expected a fraction in (0, 1]")
-    for bad in [dict(muon_ns_steps=0), dict(muon_beta=1.0), dict(muon_beta=1.5), dict(muon_beta=-0.1)]:
-        assert error(**bad).startswith("config.optim: muon_ns_steps="), bad
-    assert error(muon_scale="WIDTH") == "config.optim.muon_scale='WIDTH': expected one of rms, width"
+    for bad in [dict(ns_steps=0), dict(beta=1.0), dict(beta=1.5), dict(beta=-0.1)]:
+        assert error("muon", **bad).startswith("config.optim.muon: ns_steps="), bad
+    assert error("muon", scale="WIDTH") == "config.optim.muon.scale='WIDTH': expected one of rms, width"
 
 
 @pytest.mark.parametrize("correction", ["none", "error_feedback"])

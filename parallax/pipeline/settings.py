@@ -13,6 +13,16 @@ from parallax.errors import ConfigError
 from parallax.pipeline.schedule import KINDS, Schedule, ScheduleError, ScheduleKind, balanced_layers, make_schedule
 from parallax.pipeline.validate import validate
 
+# The section `config.pipeline`.
+KEYS = dict(
+    schedule="1f1b",  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | v_half | v_min | dualpipev | 2bw (pipe > 1)
+    microbatches=4,  # pipeline microbatches per step
+    virtual_stages=1,  # stages (chunks) per pipeline rank (interleaved_1f1b; zbv, v_half, v_min, dualpipev take 2)
+    remat=False,  # store only each chunk's input and recompute its forward in the backward
+    layout="even",  # layers per stage: even | auto (the shortest simulated step at counted FLOPs) | "3,5"
+    vocab_parallel=False,  # embedding, head and loss split over the pipe ranks along the vocabulary (untied head)
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSettings:
