@@ -34,7 +34,7 @@ MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.validate.*' 'parall
 	'parallax.data.x*Dataset*_offset__*' 'parallax.data.x*Dataset*batch__*' 'parallax.data.x*Dataset*epoch__*' \
 	'parallax.checkpoint.*' 'parallax.parallel.vocab.*' \
 	'parallax.optim.x_lr_schedule__*' 'parallax.optim.x__is_matrix__*' 'parallax.optim.x_decay_mask__*' \
-	'parallax.optim.x_muon_dims__*' 'parallax.optim.x_check__*'
+	'parallax.optim.x_muon_dims__*' 'parallax.optim.x_resolve__*'
 MUTATION_JOBS ?= 2
 
 mutation: $(STAMP)

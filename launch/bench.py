@@ -20,11 +20,17 @@ cost analysis and the collectives of the compiled optimizer update, per device.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-from parallax.pipeline.schedule import KINDS  # noqa: E402 (numpy only: before jax starts)
+from parallax.pipeline.schedule import DEFAULT, KINDS  # numpy only: imports nothing that starts jax
+
+# --part=balance: every flushing schedule of a fixed chunk count that runs one action a tick;
+# --part=overlap: every schedule that pairs a forward with a backward beside the first unpaired one of
+# the same placement (2 chunks: zbv).
+BALANCE_SCHEDULES = [n for n, k in KINDS.items() if k.flushes and not k.pairs and k.chunks in (1, 2)]
+OVERLAP_SCHEDULES = [n for n, k in KINDS.items() if k.chunks == 2 and not k.pairs][:1] + [
+    n for n, k in KINDS.items() if k.pairs]
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
@@ -99,7 +105,7 @@ def bench_pipeline(steps, schedules):
     from parallax.train import make_dataset
     from parallax.trainer import Trainer
 
-    from parallax.paths import SteadyPipelinePath
+    from parallax.steps import SteadyPipelinePath
     from parallax.pipeline import work
     from parallax.pipeline.program import compile_schedule
 
@@ -145,7 +151,7 @@ def bench_balance():
     import numpy as np
 
     from parallax.defaults import config_from_args
-    from parallax.paths.pipeline import rank_balance
+    from parallax.steps.pipeline import rank_balance
     from parallax.pipeline.work import part_flops
     from parallax.pipeline.simulate import flop_costs, simulate
     from parallax.plan import make_plan
@@ -153,7 +159,7 @@ def bench_balance():
     print("\n| pipe | m | schedule | vocab_parallel | layout | layers per stage | params max/min | FLOPs max/min | "
           "lockstep time / ideal | async time / ideal |\n|---|---|---|---|---|---|---|---|---|---|")
     for p in (4, 8):
-        for schedule, vocab, layout in [(s, vp, lay) for s in ("1f1b", "zb_h1", "zbv", "v_half")
+        for schedule, vocab, layout in [(s, vp, lay) for s in BALANCE_SCHEDULES
                                         for vp in (False, True) for lay in ("even", "auto")]:
             if True:
                 config = config_from_args("configs/llama3_8b.py", [])
@@ -198,7 +204,7 @@ def _time_interleaved(timed, steps, rounds=5):
                 jax.block_until_ready(metrics)
                 times[name].append(time.perf_counter() - start)
             states[name] = state, metrics
-    base = float(np.median(times.get("1f1b", next(iter(times.values())))))
+    base = float(np.median(times.get(DEFAULT, next(iter(times.values())))))
     print(f"\nstep time at m = 8, median of {rounds} x {steps} steps (schedules taking turns):\n"
           "| schedule | step time (s) | / 1f1b |\n|---|---|---|")
     for name, t in times.items():
@@ -300,7 +306,7 @@ def bench_data(gigabytes, scratch):
 
     import numpy as np
 
-    from parallax import shards as shard_lib
+    from parallax import corpus as shard_lib
     from parallax.prepare import iter_texts
     from parallax.tokenizer import train_bpe
 
@@ -539,7 +545,7 @@ def bench_overlap(topology: str):
     print("| schedule | async all-to-alls | with compute inside | of the forward beside a backward: enclosing "
           "the other microbatch's compute (ops) | of the backward beside a forward: idem | sum of buffers GiB |")
     print("|---|---|---|---|---|---|")
-    for schedule in ("zbv", "dualpipev"):
+    for schedule in OVERLAP_SCHEDULES:
         config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                                                "moe_tiny.py"))
         config.mesh.update(pipe=2, expert=2)
@@ -640,5 +646,11 @@ def main(_):
         bench_generate()
 
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-bench` console script (pyproject.toml); also `python launch/bench.py`."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

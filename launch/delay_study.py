@@ -13,11 +13,9 @@ curves). Every run uses the config's learning rate: Muon's updates are scaled to
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launch.common import cli_main  # noqa: E402
+from launch.common import cli_main
 
 OPTIMIZERS = ("adamw", "muon")
 VARIANTS = (("no delay", 0, "none"), ("delay 1", 1, "none"), ("delay 1 + error feedback", 1, "error_feedback"))
@@ -90,5 +88,11 @@ def run(config, flags):
     print(f"wrote {flags.workdir}/delay_study.md and delay_study.png")
 
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-delay-study` console script (pyproject.toml); also `python launch/delay_study.py`."""
     cli_main(run, needs_config=True)
+
+
+if __name__ == "__main__":
+    cli()

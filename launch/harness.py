@@ -8,12 +8,15 @@ extra): lm-eval's own command line and flags, with the `parallax` model register
 (`lm_eval --model parallax` itself cannot work: lm-eval 0.4.13 finds models only in its own registry.)
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallax.harness import main  # noqa: E402
+from parallax.harness import main
+
+
+def cli():
+    """The `parallax-harness` console script (pyproject.toml); also `python launch/harness.py`."""
+    main()
+
 
 if __name__ == "__main__":
-    main()
+    cli()

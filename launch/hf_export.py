@@ -7,14 +7,11 @@ Writes config.json and model.safetensors (or model-0000i-of-0000n.safetensors sh
 model.safetensors.index.json), loadable with transformers' `AutoModelForCausalLM.from_pretrained(out)`.
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags  # noqa: E402
+from absl import flags
 
-from launch.common import cli_main  # noqa: E402
+from launch.common import cli_main
 
 
 def define_flags():
@@ -35,5 +32,11 @@ def run(_, FLAGS):
 
 run.define_flags = define_flags
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-hf-export` console script (pyproject.toml); also `python launch/hf_export.py`."""
     cli_main(run, needs_config=False)
+
+
+if __name__ == "__main__":
+    cli()

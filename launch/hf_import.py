@@ -10,14 +10,11 @@ The parameters are read straight onto the mesh the config asks for, each device 
 the checkpoint's. A bad input exits 2 with one line naming the value and the fix.
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags  # noqa: E402
+from absl import flags
 
-from launch.common import cli_main  # noqa: E402
+from launch.common import cli_main
 
 
 def define_flags():
@@ -36,5 +33,11 @@ def run(config_args, FLAGS):
 
 run.define_flags = define_flags
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-hf-import` console script (pyproject.toml); also `python launch/hf_import.py`."""
     cli_main(run, needs_config="optional")
+
+
+if __name__ == "__main__":
+    cli()

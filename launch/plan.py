@@ -14,14 +14,12 @@ change), 2 for a config error.
 """
 
 import math
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-from launch.common import _config_exit  # noqa: E402
+from launch.common import _config_exit
 
 flags.DEFINE_string("config", None, "Path to a config file with get_config().")
 flags.DEFINE_integer("devices", 0, "Simulated CPU devices to plan for (0: the product of the config's mesh sizes).")
@@ -111,7 +109,8 @@ def main(argv, overrides):
     sys.exit(0 if fits else 1)
 
 
-if __name__ == "__main__":
+def cli():
+    """The `parallax-plan` console script (pyproject.toml); also `python launch/plan.py`."""
     from parallax.config import split_overrides
     from parallax.errors import ConfigError
 
@@ -120,3 +119,7 @@ if __name__ == "__main__":
     except ConfigError as e:
         _config_exit(e)
     app.run(lambda a: main(a, overrides), argv=argv)
+
+
+if __name__ == "__main__":
+    cli()

@@ -6,14 +6,11 @@ The PNG goes to WORKDIR/metrics.png unless --out names a file. A workdir without
 no logged step, prints one line on stderr and exits with status 2.
 """
 import os
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout as well
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-from launch.common import plain_cli  # noqa: E402
+from launch.common import plain_cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "the run to plot (a train.py --workdir)")
@@ -44,5 +41,11 @@ def main(argv):
     print(f"wrote {out}")
 
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-plot` console script (pyproject.toml); also `python launch/plot.py`."""
     app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    cli()

@@ -10,12 +10,10 @@ killed command continues at the last complete shard; the same inputs give the sa
 with one line naming it. See docs/data.md.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 flags.DEFINE_multi_string("inputs", [], "NAME=PATTERN (or PATTERN): files of one source; repeat for more.")
 flags.DEFINE_string("tokenizer", "bytes", "bytes, a tokenizer.json, an HF model directory, or a "
@@ -43,5 +41,11 @@ def main(_):
         sys.exit(2)
 
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-prepare-data` console script (pyproject.toml); also `python launch/prepare_data.py`."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -5,14 +5,11 @@ or sharded over a mesh of the visible devices (whatever mesh trained it).
         [--temperature=0.8 --top_k=40 --top_p=0.95 --seed=1] [--mesh=fsdp=2,tensor=2 --cpu_devices=4]
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags  # noqa: E402
+from absl import flags
 
-from launch.common import cli_main  # noqa: E402
+from launch.common import cli_main
 
 
 def define_flags():
@@ -48,5 +45,11 @@ def run(_, FLAGS):
 
 run.define_flags = define_flags
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-sample` console script (pyproject.toml); also `python launch/sample.py`."""
     cli_main(run, needs_config=False)
+
+
+if __name__ == "__main__":
+    cli()

@@ -5,18 +5,15 @@
 
 A bad argument prints one line on stderr and exits with status 2.
 """
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout as well
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-from launch.common import plain_cli  # noqa: E402
+from launch.common import plain_cli
 
-from parallax.pipeline.render import render_png, render_summary  # noqa: E402
-from parallax.pipeline.schedule import DEFAULT, KINDS, make_schedule  # noqa: E402
-from parallax.pipeline.simulate import parse_costs  # noqa: E402
+from parallax.pipeline.render import render_png, render_summary
+from parallax.pipeline.schedule import DEFAULT, KINDS, make_schedule
+from parallax.pipeline.simulate import parse_costs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("schedule", DEFAULT, f"one of {', '.join(KINDS)}")
@@ -44,5 +41,11 @@ def main(argv):
     print(render_summary(schedule, costs))
 
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-schedule` console script (pyproject.toml); also `python launch/schedule.py`."""
     app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    cli()

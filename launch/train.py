@@ -17,15 +17,13 @@ makes before its first step (data, plan, shapes, resuming the workdir, compiled 
 nothing. Every config key, its default and what it means: docs/config-keys.md.
 """
 
-import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags as absl_flags  # noqa: E402
+from absl import flags as absl_flags
 
-from launch.common import cli_main  # noqa: E402
+from launch.common import cli_main
 
 
 def define_flags():
@@ -67,6 +65,12 @@ def run(config, flags):
 
 run.define_flags, run.inspect_only, run.resumes = define_flags, inspect_only, True
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-train` console script (pyproject.toml); also `python launch/train.py`."""
     sys.argv = ["--print_config=python" if a == "--print_config" else a for a in sys.argv]
     cli_main(run, needs_config=True)
+
+
+if __name__ == "__main__":
+    cli()

@@ -7,12 +7,10 @@ Writes tokenizer.json and tokenizer_config.json (`<|endoftext|>` is the eos, id 
 (`data.tokenizer`, `prepare_data.py --tokenizer`) and `transformers` load.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 flags.DEFINE_multi_string("inputs", [], "NAME=PATTERN (or PATTERN) of the files to train on; repeat for more.")
 flags.DEFINE_integer("vocab_size", 4096, "Ids in the tokenizer (256 bytes + eos + merges).")
@@ -38,5 +36,11 @@ def main(_):
         sys.exit(2)
 
 
-if __name__ == "__main__":
+
+def cli():
+    """The `parallax-train-tokenizer` console script (pyproject.toml); also `python launch/train_tokenizer.py`."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax import hf
+from parallax import hf_mapping as hf
 from parallax.errors import ConfigError
 from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split, constrain,
                             param_flops_per_token)

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from parallax import hf
+from parallax import hf_mapping as hf
 from parallax.errors import ConfigError
-from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split, constrain,
-                            param_flops_per_token)
+from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split,
+                            check_row_chunks, constrain, param_flops_per_token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +190,7 @@ class Llama(Model):
                               f"even head_dim")
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_kv_heads,
                               ("num_heads", "num_kv_heads", "vocab_size", "d_ff"))
-        local = config.train.seq_len // (sizes["seq"] * sizes["tensor"])  # a rank's positions of a row
-        if m.mlp_chunks < 1 or local % m.mlp_chunks:
-            raise ConfigError(f"config.model.mlp_chunks={m.mlp_chunks}: must be >= 1 and divide each rank's "
-                              f"{local} positions of a row (train.seq_len={config.train.seq_len} / (mesh.seq x "
-                              f"mesh.tensor)); use a divisor of {local}")
+        check_row_chunks("mlp_chunks", m.mlp_chunks, sizes, config.train.seq_len)
 
     hf_architectures = ("LlamaForCausalLM",)
 

@@ -38,7 +38,7 @@ document's positions by one offset leaves every q.k rotation angle difference un
 Padding appears only when a split's stream is shorter than ``seq_len + 1`` tokens, which only an eval split can
 be: a train stream that short is a ``DataError`` (the training launcher refuses a short eval split too).
 
-Shard directories (``launch/prepare_data.py``, format in ``parallax.shards``) read as the token file of the
+Shard directories (``launch/prepare_data.py``, format in ``parallax.corpus``) read as the token file of the
 same documents would: one stream over all shards (memory-mapped and indexed lazily), its tail the eval
 split. ``mixture`` ("web=0.7,code=0.3") keeps one stream per source instead (each with its own eval tail)
 and draws each row's source by weight (``Dataset._mixture_row``): still a function of (seed, step, row).
@@ -465,10 +465,10 @@ def _tail_cut(stream_len, first_start_at_or_after, eval_fraction):
 
 
 def _shard_streams(paths, vocab_size, eval_fraction, eos_id, tokenizer_hash, mixture):
-    """The train and eval streams of shard directories (``parallax.shards``): all shards in order as one
+    """The train and eval streams of shard directories (``parallax.corpus``): all shards in order as one
     stream, its tail cut off for eval (as a token file of the same documents would be); with a mixture, one
     such stream per source, each with its own eval tail."""
-    from parallax import shards as shard_lib
+    from parallax import corpus as shard_lib
 
     by_source, hashes, in_order = {}, {}, []
     for directory in paths:

@@ -1,6 +1,6 @@
 """DiLoCo's settings (`config.diloco`), checked and typed once: `resolve(section, num_layers) -> DilocoSettings`.
 
-Every `config.diloco.*` error is raised here; `parallax/paths/diloco.py` (the replicas' inner steps and
+Every `config.diloco.*` error is raised here; `parallax/steps/diloco.py` (the replicas' inner steps and
 the outer sync) reads the settings. The layouts replicas cannot run (a steady pipeline schedule, the
 vocabulary split over the pipe ranks) are the pipeline settings' checks (`parallax/pipeline/settings.py`).
 """

@@ -36,7 +36,7 @@ import re
 import jax
 
 from parallax.errors import ConfigError
-from parallax.paths.pipeline import rank_balance
+from parallax.steps.pipeline import rank_balance
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
 
@@ -79,12 +79,12 @@ class MemoryReport:
     xla_outputs: int
     xla_aliased: int  # outputs written in place of (donated) inputs
     xla_temp: int  # XLA: temporaries (activations, gradients, collectives' buffers, ...)
-    pipeline: int = 0  # analytic: the step path's own state: pipeline.schedule=2bw's in-flight state (previous
+    path_state: int = 0  # analytic: the step path's own state: a steady schedule's (2bw) in-flight state (previous
     #                    weights, the pending gradient, the batch in flight, activation slots and inbox), or
     #                    DiLoCo's (the replicas' parameters, the outer momentum, rounding errors); 0 for others
     kernel_calls: int = 0  # custom calls of hand-written kernels in the compiled step (Mosaic tpu_custom_call)
-    pipeline_label: str = "2bw in-flight state"  # what `pipeline` counts: the step path's own state (its label)
-    ranks: tuple = ()  # pipelined plans: `parallax.paths.pipeline.rank_balance`, one dict per pipeline rank
+    path_state_label: str = ""  # what `path_state` counts, in the step path's words (`StepPath.state_label`)
+    ranks: tuple = ()  # pipelined plans: `parallax.steps.pipeline.rank_balance`, one dict per pipeline rank
     host_temp: int = 0  # XLA: temporaries in host memory (model.remat='offload': the layers' inputs), not in peak
     host_arguments: int = 0  # XLA: inputs in host memory (optim.offload_state: the optimizer state), not in peak
     xla_peak: int = 0  # XLA:TPU's own peak (`peak_memory_in_bytes`, arguments included); 0 where not reported
@@ -104,13 +104,13 @@ class MemoryReport:
     @property
     def analytic_state(self) -> int:
         """The analytic counterpart of `xla_arguments`."""
-        return self.params + self.optimizer + self.batch + self.pipeline
+        return self.params + self.optimizer + self.batch + self.path_state
 
     def table(self) -> str:
         rows = [("parameters (analytic)", self.params), ("optimizer state (analytic)", self.optimizer),
                 ("gradients, fp32 (analytic)", self.gradients), ("batch (analytic)", self.batch)]
-        if self.pipeline:
-            rows.append((f"{self.pipeline_label} (analytic)", self.pipeline))
+        if self.path_state:
+            rows.append((f"{self.path_state_label} (analytic)", self.path_state))
         rows += [("state + batch (analytic)", self.analytic_state), ("XLA arguments", self.xla_arguments),
                 ("XLA outputs", self.xla_outputs), ("XLA aliased (donated)", self.xla_aliased),
                 ("XLA temporaries", self.xla_temp)]
@@ -127,7 +127,7 @@ class MemoryReport:
         unit, size = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
         lines = [f"| per device | {unit} |", "|---|---|"] + [f"| {name} | {b / size:.3f} |" for name, b in rows]
         if self.ranks:
-            from parallax.paths.pipeline import balance_table
+            from parallax.steps.pipeline import balance_table
             lines += ["", "Per pipeline rank (what its stages use and compute):", "", balance_table(self.ranks, self.peak)]
         return "\n".join(lines)
 
@@ -191,8 +191,8 @@ def memory_report(config, devices=None) -> MemoryReport:
         batch=_bytes_on_device(batch, trainer.batch_shardings),
         xla_arguments=memory.argument_size_in_bytes, xla_outputs=memory.output_size_in_bytes,
         xla_aliased=memory.alias_size_in_bytes, xla_temp=memory.temp_size_in_bytes,
-        pipeline=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys),
-        kernel_calls=kernel_calls, pipeline_label=trainer.path.state_label,
+        path_state=sum(_bytes_on_device(state[k], trainer.state_shardings[k]) for k in trainer.path.state_keys),
+        kernel_calls=kernel_calls, path_state_label=trainer.path.state_label,
         host_temp=getattr(memory, "host_temp_size_in_bytes", 0) or 0,
         host_arguments=getattr(memory, "host_argument_size_in_bytes", 0) or 0,
         xla_peak=_xla_peak(memory, trainer.plan.platform),

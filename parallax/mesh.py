@@ -16,7 +16,7 @@ import numpy as np
 from parallax.errors import ConfigError
 
 AXES = ("replica", "data", "fsdp", "pipe", "expert", "seq", "tensor")
-# DiLoCo's replicas (`parallax.paths.diloco`): each holds its own copy of the model, so no step but the
+# DiLoCo's replicas (`parallax.steps.diloco`): each holds its own copy of the model, so no step but the
 # outer sync communicates over it, and no sharding rule may name it.
 REPLICA = "replica"
 # The section `config.mesh`: one size per axis.

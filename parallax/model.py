@@ -167,7 +167,7 @@ class Model(nnx.Module):
 
     @staticmethod
     def hf_sources(model_config, tensor_names=None) -> dict:
-        """{parameter path, e.g. 'blocks/wq': `parallax.hf.Source`}: where each parameter lives in an HF
+        """{parameter path, e.g. 'blocks/wq': `parallax.hf_mapping.Source`}: where each parameter lives in an HF
         checkpoint whose tensors are `tensor_names` (a set; None: the names export writes)."""
         raise NotImplementedError
 
@@ -214,6 +214,15 @@ def attention_flops_per_token(num_layers: int, num_heads: int, head_dim: int, se
     """Training FLOPs per token of the attention scores and their weighted sum (Q K^T and A V: 4 T H Dh
     forward per layer, x3 with the backward), over the whole causal window as PaLM's MFU counts them."""
     return 12.0 * num_layers * num_heads * head_dim * seq_len
+
+
+def check_row_chunks(key: str, chunks: int, sizes, seq_len: int) -> None:
+    """A model key `key` that cuts each rank's part of a row into `chunks` (e.g. Llama's `mlp_chunks`) must
+    divide it: seq_len / (mesh.seq x mesh.tensor) positions per rank (the residual stream's split)."""
+    local = seq_len // (sizes["seq"] * sizes["tensor"])
+    if chunks < 1 or local % chunks:
+        raise ConfigError(f"config.model.{key}={chunks}: must be >= 1 and divide each rank's {local} positions of "
+                          f"a row (train.seq_len={seq_len} / (mesh.seq x mesh.tensor)); use a divisor of {local}")
 
 
 def check_attention_split(model_config, sizes, seq_len: int, num_heads: int, num_kv_heads: int,

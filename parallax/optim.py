@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
 from parallax.errors import ConfigError
+from parallax.pipeline import schedule as schedules
 from parallax.sharding import is_logical_names
 
 _STACKING = ("layers", "experts")
@@ -439,9 +440,10 @@ def resolve(section, stale_gradients: bool = False) -> OptimSettings:
     if int(o.grad_delay) not in (0, 1):
         raise ConfigError(f"config.optim.grad_delay={o.grad_delay}: expected 0 or 1")
     if o.delay_correction != "none" and not int(o.grad_delay) and not stale_gradients:
+        steady = " or ".join(schedules.names(steady=True))
         raise ConfigError(f"config.optim.delay_correction={o.delay_correction!r} corrects a gradient delay, and "
-                          f"optim.grad_delay=0; set optim.grad_delay=1 (or pipeline.schedule=2bw with mesh.pipe > 1, "
-                          f"whose gradients are one step stale) or optim.delay_correction=none")
+                          f"optim.grad_delay=0; set optim.grad_delay=1 (or pipeline.schedule={steady} with mesh.pipe "
+                          f"> 1, whose gradients are one step stale) or optim.delay_correction=none")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
     for cls in OPTIMIZERS.values():  # every optimizer's keys are checked, whichever is named

@@ -8,10 +8,7 @@ model gets, and the settings of the train loop, the optimizer, the pipeline (its
 and attention. The trainer, the step paths, eval, sampling and `shape_check` read the plan; none of them
 reads the config again. The config stays on the plan only to be saved and printed.
 
-Where each section's checks live (a new key goes there, with its default in `parallax/defaults.py`):
-mesh sizes `mesh.py`; model keys `model.py` (and the model's own `check_config`); attention and sequence
-layout `parallel/attention.py`; train loop `train_settings.py`; optimizer `optim.py`; DiLoCo
-`diloco_settings.py`; pipeline `pipeline/settings.py`; rules and parameters `sharding.py`; data `data.py`.
+Where each section's keys and checks live: docs/design.md ("Settings, one home per mechanism").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Corpus preparation: text files -> a shard directory (`parallax.shards`), what `launch/prepare_data.py` runs.
+"""Corpus preparation: text files -> a shard directory (`parallax.corpus`), what `launch/prepare_data.py` runs.
 
 **Inputs** are `NAME=PATTERN` pairs (NAME names the source for `data.mixture`; `main` when omitted). A pattern
 is a glob (`**` recursive), a file or a directory. By kind:
@@ -18,7 +18,7 @@ bytes, with any `workers`.
 
 **Restart.** `prepare.json` (the inputs with their sizes and mtimes, the tokenizer hash, the settings and
 the units) is written first; a rerun with the same plan skips the units whose shard is committed (see
-`parallax.shards`) and deletes temporaries a killed run left; a rerun with another plan is refused unless
+`parallax.corpus`) and deletes temporaries a killed run left; a rerun with another plan is refused unless
 `overwrite`. The manifest is written last, so a training run never reads an unfinished directory.
 
 **Workers** are processes (`spawn`), each tokenizing whole units with one `tokenizers` thread
@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from parallax import shards as shard_lib
+from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
 from parallax.errors import ConfigError
 

@@ -114,12 +114,6 @@ def logical_to_spec(names, rules, mesh=None, shape=None, what="array") -> P:
     return P(*spec)
 
 
-def with_replica_rows(spec: P) -> P:
-    """`spec` of a [B, ...] array with its rows split over DiLoCo's `replica` axis first."""
-    rows = spec_axes(spec[0]) if len(spec) else ()
-    return P((REPLICA, *rows), *spec[1:])
-
-
 def is_logical_names(x) -> bool:
     """A tuple of logical names (the leaves of a logical-names tree)."""
     return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)

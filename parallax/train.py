@@ -26,8 +26,8 @@ from etils import epath
 from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
-from parallax import paths
-from parallax import shards as shard_lib
+from parallax import steps
+from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
 from parallax.defaults import load_saved_config
 from parallax.errors import ConfigError
@@ -184,7 +184,7 @@ def check_resume(config, saved_json: str) -> None:
             raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was trained with "
                               f"{saved[key]!r}, so resuming would not continue the same run; use a new --workdir "
                               "to start a different run")
-    paths.check_resume(saved, now)  # each step path's own rules (`StepPath.check_resume`)
+    steps.check_resume(saved, now)  # each step path's own rules (`StepPath.check_resume`)
     if "train.steps" in saved and "optim.decay_steps" in saved:
         horizon = saved["optim.decay_steps"] or saved["train.steps"]  # lr_schedule's: decay_steps or train.steps
         if (now["optim.decay_steps"] or now["train.steps"]) != horizon:
@@ -235,7 +235,7 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
     config, tokenizer = resolve_data(config)
     trainer = Trainer(config, devices)
     dataset = make_dataset(config, tokenizer)
-    t = config.train
+    t = trainer.plan.train  # the typed settings the loop reads
     lead = jax.process_index() == 0
     log = log if lead else (lambda *_: None)
     workdir = epath.Path(workdir)
@@ -372,7 +372,7 @@ def _truncate_metrics(path, step: int) -> None:
 
 def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested, tensorboard=None,
           profiler=None) -> TrainResult:
-    t = trainer.config.train
+    t = trainer.plan.train
     speed = throughput(trainer.plan, trainer.mesh)
     history, eval_loss, preempted, signalled = [], None, False, 0
     step = first_step = int(state["step"])

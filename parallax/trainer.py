@@ -4,7 +4,7 @@
 and donated state: once, or once per kind of step for a path whose steps differ (`train_step_at`). The state is a dict of pure pytrees: `{'step', 'params', 'opt_state'}`, plus
 the entries the step path adds (`StepPath.state_keys`, e.g. a pipeline's microbatches in flight); the
 data position is the step, since a batch is a function of (seed, step). How a step computes its loss and
-gradients is the step path's (`parallax.paths`): dense, manual or pipelined; the trainer applies
+gradients is the step path's (`parallax.steps`): dense, manual or pipelined; the trainer applies
 them (`update`). The loss is the weighted token mean over the *global* batch. Eval runs the same loss path
 as training, forward only.
 """
@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import data as data_lib
 from parallax import optim, sharding
-from parallax.paths import make_path
+from parallax.steps import make_path
 from parallax.plan import Plan, make_plan
 
 

@@ -1,5 +1,5 @@
 """Real text in: tokenizers (`parallax/tokenizer.py`), corpus preparation (`parallax/prepare.py`), shard
-directories (`parallax/shards.py`) and mixtures (`parallax/data.py`), up to a run that trains on them."""
+directories (`parallax/corpus.py`) and mixtures (`parallax/data.py`), up to a run that trains on them."""
 
 import glob
 import hashlib
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from parallax import data as data_lib
 from parallax import prepare as prep
-from parallax import shards as shard_lib
+from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
 from parallax.errors import ConfigError
 from helpers import ROOT, read_metrics, run_launcher, tiny_config

@@ -1,4 +1,4 @@
-"""DiLoCo (`mesh.replica > 1`, parallax/paths/diloco.py): exactness against data parallelism and against a
+"""DiLoCo (`mesh.replica > 1`, parallax/steps/diloco.py): exactness against data parallelism and against a
 reference loop written here, the communication of the inner and outer steps counted in the compiled HLO,
 and the run around it (eval, checkpoints, bf16, config errors)."""
 

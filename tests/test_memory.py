@@ -28,7 +28,7 @@ def test_analytic_state_matches_xla_arguments_within_15_percent(mesh):
     report = memory_report(config, jax.devices())
     assert abs(report.analytic_state - report.xla_arguments) <= 0.15 * report.xla_arguments
     assert report.xla_temp > 0 and report.peak >= report.xla_arguments
-    assert (report.pipeline > report.params) == bool(schedule)  # holds a copy of the weights and more
+    assert (report.path_state > report.params) == bool(schedule)  # holds a copy of the weights and more
 
 
 def test_fsdp_shards_the_state_per_device():

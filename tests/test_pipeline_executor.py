@@ -17,6 +17,7 @@ import pytest
 
 from helpers import rel_err
 from parallax.pipeline import executor, layout, program, work
+from parallax.pipeline.executor import StageCall
 from parallax.pipeline.schedule import B, BW, F, IDLE, W, make_schedule, unroll
 
 VOCAB, D, FF, T, ROWS, LAYERS, M = 32, 16, 32, 4, 8, 8, 4
@@ -85,7 +86,7 @@ def pipelined(sched, mesh, remat=False, layered=False):
         staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                   "last": params["last"]}
         loss, g = executor.pipeline_value_and_grad(
-            sched, first_fn=first_fn, last_fn=last_fn, params=staged, inputs=inputs, mesh=mesh, remat=remat, **fn)
+            sched, StageCall(first_fn=first_fn, last_fn=last_fn, mesh=mesh, remat=remat, **fn), staged, inputs)
         return loss, {"first": g["first"], "layers": layout.from_pipeline_layout(g["stages"], sched),
                       "last": g["last"]}
     return jax.jit(run)
@@ -130,8 +131,8 @@ def test_forward_only_program_runs_only_the_forwards_and_gives_the_loss(name, v,
     def loss(params, inputs):
         staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                   "last": params["last"]}
-        return executor.pipeline_loss(sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn,
-                                      params=staged, inputs=inputs, mesh=mesh)
+        return executor.pipeline_loss(sched, StageCall(first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, mesh=mesh),
+                                      staged, inputs)
     assert rel_err(loss(params, inputs), reference()[0]) <= 1e-5
 
 
@@ -171,8 +172,8 @@ def test_grads_match_unpipelined_with_tensor_and_seq_manual_axes(name, v):
                   "last": params["last"]}
         specs = {"stages": {"w1": P(None, None, "tensor"), "w2": P(None, "tensor", None), "g": P()}}
         loss, g = executor.pipeline_value_and_grad(
-            sched, first_fn=first_fn, stage_fn=stage_fn_tensor_parallel, last_fn=last_fn_tensor_parallel, params=staged,
-            inputs=inputs, mesh=mesh, param_specs=specs, input_spec=P("seq"))
+            sched, StageCall(first_fn=first_fn, stage_fn=stage_fn_tensor_parallel, last_fn=last_fn_tensor_parallel,
+                             mesh=mesh, param_specs=specs, input_spec=P("seq")), staged, inputs)
         return loss, {"first": g["first"], "layers": layout.from_pipeline_layout(g["stages"], sched),
                       "last": g["last"]}
     assert_matches_reference(*jax.jit(run)(params, inputs))
@@ -221,8 +222,8 @@ def test_scan_runs_schedule_num_ticks(name, v, p):
     staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
               "last": params["last"]}
     jaxpr = jax.make_jaxpr(lambda staged, inputs: executor.pipeline_value_and_grad(
-        sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
-        mesh=mesh))(staged, inputs)
+        sched, StageCall(first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, mesh=mesh), staged, inputs))(
+        staged, inputs)
     assert _tick_scan_lengths(jaxpr.jaxpr) == [sched.num_ticks]
     assert program.compile_schedule(sched).num_ticks == sched.num_ticks
 
@@ -235,8 +236,8 @@ def test_collectives_are_one_ppermute_per_send_pattern_and_one_final_reduction()
     staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
               "last": params["last"]}
     hlo = jax.jit(lambda staged, inputs: executor.pipeline_value_and_grad(
-        sched, first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, params=staged, inputs=inputs,
-        mesh=mesh)).lower(staged, inputs).compile().as_text()
+        sched, StageCall(first_fn=first_fn, stage_fn=stage_fn, last_fn=last_fn, mesh=mesh), staged, inputs)).lower(
+        staged, inputs).compile().as_text()
     ops = {}  # computation -> collective op names in it
     for line in hlo.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
@@ -347,8 +348,8 @@ def _step_flops(sched, mesh, layered):
     def run(params, inputs):
         staged = {"first": params["first"], "stages": layout.to_pipeline_layout(params["layers"], sched),
                   "last": params["last"]}
-        return executor.pipeline_value_and_grad(sched, first_fn=first_fn, last_fn=last_fn, params=staged,
-                                                inputs=inputs, mesh=mesh, **fn)
+        return executor.pipeline_value_and_grad(sched, StageCall(first_fn=first_fn, last_fn=last_fn, mesh=mesh, **fn),
+                                                staged, inputs)
     return work.step_flops(jax.make_jaxpr(run)(params, inputs), program.compile_schedule(sched))
 
 
@@ -540,8 +541,8 @@ def _steady_runner(sched, mesh, remat):
     def step(previous, params, previous_inputs, inputs, inflight):
         both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), previous_inputs, inputs)
         (lp, gp), (lc, gc), inflight = executor.pipeline_steady_step(
-            sched, first_fn=first_fn, last_fn=last_fn, layer_fn=layer_fn, params=staged(params),
-            previous=staged(previous), inputs=both, mesh=mesh, inflight=inflight, remat=remat)
+            sched, StageCall(first_fn=first_fn, last_fn=last_fn, layer_fn=layer_fn, mesh=mesh, remat=remat),
+            staged(params), staged(previous), both, inflight)
         return (lp, unstage(gp)), (lc, unstage(gc)), inflight
     return jax.jit(step)
 

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import tiny_config
 from parallax import hlo
-from parallax.paths import PipelinePath
+from parallax.steps import PipelinePath
 from parallax.memory import memory_report
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer

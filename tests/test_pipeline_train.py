@@ -171,7 +171,7 @@ def test_rank_balance_counts_every_layer_once_and_auto_evens_the_flops():
     """`rank_balance` (plan.py's per-rank table): FLOPs over ranks = 3 x batch x (layers + embedding + head),
     parameters over ranks = the model's; here `auto` (the shortest simulated step) gives the head's rank fewer
     layers, and a smaller spread of FLOPs."""
-    from parallax.paths.pipeline import rank_balance
+    from parallax.steps.pipeline import rank_balance
     from parallax.pipeline.work import part_flops
     ratios = {}
     for layout in ("even", "auto"):

@@ -542,15 +542,15 @@ def test_best_layout_shortens_the_lockstep_step_at_counted_costs():
 
 
 def test_the_vocabulary_parallel_head_pass_is_priced_on_every_rank():
-    """`flop_costs(vocab_parallel=True)`: the head's 3 x loss runs as p shares in the last stage's F ticks on
+    """`flop_costs(spread_vocab=True)`: the head's 3 x loss runs as p shares in the last stage's F ticks on
     every rank; the busy time is the same work as without it, and zbv at p = 8 gets faster in lockstep."""
     from parallax.pipeline.simulate import flop_costs, simulate
     sched = make_schedule("zbv", 8, 32, 2)
-    plain, spread = (simulate(sched, flop_costs(sched, 32, 1.0, 0.0, 2.4, vocab_parallel=v)) for v in (False, True))
+    plain, spread = (simulate(sched, flop_costs(sched, 32, 1.0, 0.0, 2.4, spread_vocab=v)) for v in (False, True))
     assert abs(plain.busy_time - spread.busy_time) < 1e-6 * plain.busy_time
     assert spread.total_time < 0.75 * plain.total_time, (spread.total_time, plain.total_time)
     with pytest.raises(ValueError, match="lockstep mode only"):
-        simulate(sched, flop_costs(sched, 32, 1.0, 0.0, 2.4, vocab_parallel=True), mode="async")
+        simulate(sched, flop_costs(sched, 32, 1.0, 0.0, 2.4, spread_vocab=True), mode="async")
 
 
 def test_dualpipev_bubble_is_the_dualpipe_papers_and_it_holds_one_chunk_more_than_zbv():

@@ -18,7 +18,7 @@ ring or all-gather attention each rank's tokens are the zigzag chunks i and 2s-1
 positions carry causality and the loss is a sum over tokens, so a permutation of the sequence changes
 nothing else. The batch then enters the region whole along T (one small all-gather of the int/weight arrays
 per step) and each rank cuts its own two chunks; the pipeline lays the batch out before its region instead
-(`parallax.paths.pipeline`).
+(`parallax.steps.pipeline`).
 
 Why every axis is manual, data and fsdp too: with a partially manual shard_map (data / fsdp automatic),
 XLA's partitioner all-gathers the batch over `data` around every manual collective, so each data rank
@@ -51,10 +51,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from parallax import compat
-from parallax.mesh import REPLICA
 from parallax.parallel import cudnn, flash, sequence, splash, tensor, vocab
+from parallax.parallel.region import SINGLE, Region, vary
 from parallax.sharding import (activation_context, constrain, is_logical_names, logical_to_spec, param_logical_names,
-                               spec_axes, with_replica_rows)
+                               spec_axes)
 
 # The model axes: what the manual region's code splits activations over.
 MODEL_AXES = ("seq", "tensor")
@@ -193,6 +193,22 @@ class Parallelism:
         values, names = nnx.to_pure_dict(state), param_logical_names(state)
         values = {k: v if k == "blocks" else jax.tree.map(self.unshard, v, names[k]) for k, v in values.items()}
         return nnx.merge(graphdef, values)
+
+    def experts(self, h, idx, gates, ws, names, dispatch):
+        """A MoE layer's routed SwiGLU experts on this rank's tokens (`parallax.parallel.moe.routed_experts`):
+        the dispatch (capacity or dropless, over `expert` or not, rows split over `seq` or not) is the
+        library's; the model gives its tokens, choices, gates and expert weights (`par.weight`'s)."""
+        from parallax.parallel import moe  # it reads this module's `log_once`
+        return moe.routed_experts(self, h, idx, gates, ws, names, dispatch)
+
+    def row_length(self, local: int) -> int:
+        """Tokens in a whole row, from this rank's `local` part of it (a row is split over `seq`)."""
+        return local * self.seq
+
+    def sum_row(self, tree):
+        """Per-row values (e.g. [B, E] sums over this rank's part of each row) summed over the ranks holding
+        the rows' other parts (`seq`): whole-row values, the same on each of them."""
+        return jax.lax.psum(tree, "seq") if self.seq > 1 else tree
 
     def gather_seq(self, x):
         """[B, T/(s*t), D] -> [B, T/s, D] (all-gather over `tensor`); identity when tensor == 1."""
@@ -423,14 +439,13 @@ def log_once(message: str) -> None:
         logging.info(message)
 
 
-def _vary(x, spec: P, mesh):
+def _vary(x, spec: P, mesh, region: Region):
     """Casts a parameter replicated over some mesh axes to varying over them (grad psum at the boundary)."""
-    used = {a for entry in spec for a in spec_axes(entry)} | {REPLICA}  # DiLoCo replicas share no gradient
-    axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
+    used = {a for entry in spec for a in spec_axes(entry)} | set(region.copies)  # copies share no gradient
+    return vary(x, tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used))
 
 
-def shard_loss(loss_fn, par: Parallelism, mesh, param_logical, replicas: bool = False):
+def shard_loss(loss_fn, par: Parallelism, mesh, param_logical, region: Region = SINGLE):
     """Wraps `loss_fn(params, batch) -> scalar` (or a pytree of them, each reduced over every axis) so it
     runs per rank in a shard_map manual over every axis.
 
@@ -439,25 +454,17 @@ def shard_loss(loss_fn, par: Parallelism, mesh, param_logical, replicas: bool = 
     `batch` and `length` rules. `loss_fn` gets params still sharded over FSDP (the model calls
     `par.unshard` where it uses a weight) and must return a value reduced over all axes (`par.sum_tokens`).
 
-    `replicas` (DiLoCo, `parallax.paths.diloco`): every parameter has a leading [R] dim split over the
-    `replica` axis, the batch rows are split over `replica` first, and each output gains a leading [R] dim:
-    replica r's value, from its own parameters and rows. No collective runs over `replica`.
+    `region` (`parallax.parallel.region`): with copies (DiLoCo's `replica`), every parameter has a leading
+    [R] dim split over the copy axis, the batch rows are split over it first, and each output gains a
+    leading [R] dim: copy r's value, from its own parameters and rows. No collective runs over it.
     """
-    param_specs = par.param_specs(param_logical)
-    batch_spec = par.spec(("batch", None if par.reordered else "length"))
-    out_spec = P()
-    if replicas:
-        param_specs = jax.tree.map(lambda s: P(REPLICA, *s), param_specs, is_leaf=lambda s: isinstance(s, P))
-        batch_spec = with_replica_rows(batch_spec)
-        out_spec = P(REPLICA)
+    one = par.param_specs(param_logical)
+    param_specs = jax.tree.map(region.param_spec, one, is_leaf=lambda s: isinstance(s, P))
+    batch_spec = region.rows_spec(par.spec(("batch", None if par.reordered else "length")))
 
     def per_rank(params, batch):
-        if replicas:
-            params = jax.tree.map(lambda p: p[0], params)  # this replica's
-        params = jax.tree.map(lambda p, s: _vary(p, s, mesh), params, par.param_specs(param_logical))
-        out = loss_fn(params, par.local_sequence(batch))
-        return jax.tree.map(lambda a: a[None], out) if replicas else out
+        params = jax.tree.map(lambda p, s: _vary(p, s, mesh, region), region.own(params), one)
+        return region.tagged(loss_fn(params, par.local_sequence(batch)))
 
-    region = jax.shard_map(per_rank, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=out_spec,
-                           axis_names=set(mesh.axis_names))
-    return region
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=region.param_spec(P()),
+                         axis_names=set(mesh.axis_names))

@@ -5,12 +5,14 @@ instructions (`Op`, `Field`). Every tick each rank `lax.switch`es on its instruc
 tick's outputs move to the neighbour ranks (+1 ring "up", -1 ring "down") by one `ppermute` per distinct
 set of sending pairs, run only on the ticks that use it (`Program.send_patterns`). What a branch runs on a
 chunk is `stage.Stage` (a forward with stored residuals, a fused or split backward); where the arguments
-live is `layout.Layout`. Three entry points share one run: `pipeline_value_and_grad` (loss and gradients),
+live is `layout.Layout`; what it runs, with which specs and region, one `StageCall`. Three entry points share one run: `pipeline_value_and_grad` (loss and gradients),
 `pipeline_loss` (the F actions only: evaluation) and `pipeline_steady_step` (one window of a steady
 schedule, 2bw, with two weight versions and the activation slots and inbox carried from call to call).
 A weight version is data: each branch is traced with the weights it is given, one set per version.
 """
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,17 +20,17 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from parallax.parallel.tensor import reduction_dtype
-from parallax.pipeline.layout import Layout, cast, vma, zeros
+from parallax.compat import varying_axes as vma
+from parallax.parallel.region import SINGLE, Region, vary
+from parallax.pipeline.layout import Layout, zeros
 from parallax.pipeline.program import Field, Op, Program, compile_schedule
 from parallax.pipeline.schedule import Schedule
 from parallax.pipeline.stage import Stage
 
 
-def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None,
-                            layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
-                            input_spec=P(), stage_aux=False, routed_inputs=None, replicas=False,
-                            vocab_parallel=False):
-    """Loss and gradients of a pipelined model, running `schedule` over the mesh axis `pipe`.
+@dataclasses.dataclass(frozen=True)
+class StageCall:
+    """What the executor runs and where: one object for its three entry points.
 
     The model is `sum_mb last_fn(last, stage_{S-1}(... stage_0(first_fn(first, mb)) ...), mb)`. Give either
     `stage_fn(chunk, x, mb)` (a chunk as a black box) or `layer_fn(layer, x, mb)` (one layer: the executor
@@ -37,29 +39,60 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     differentiated, `stats` (per-rank sums, e.g. a router's load) are summed over microbatches, batch shards
     and the other manual axes they vary over but `pipe`.
 
-    params: {'first': used by stage 0's rank, 'stages': leaves `[p, v, ...]` (`layout.to_pipeline_layout`,
-      dim 0 sharded over `pipe`), 'last'}. inputs: arrays `[m, rows, ...]`, rows split over the `batch_axes`
-      of size > 1, the next dims as `input_spec` says (e.g. `P('seq')`).
+    last_fn(last, x, mb) -> scalar whose sum over microbatches, batch shards and every other manual axis it
+      varies over is the loss (a value complete over an axis, e.g. a vocabulary-parallel cross-entropy, is
+      invariant over it and not summed).
+    batch_axes: the mesh axes microbatch rows are split over (those of size > 1 are manual).
     param_specs: optional {'first', 'stages', 'last'} trees of PartitionSpecs (for 'stages' the dims after
       `[p, v]`): the functions run on these shards, with collectives of their own. A spec may name a batch
       axis (FSDP): the function all-gathers the weight where it uses it and the gather's transpose
       reduce-scatters its gradient, so the accumulator stays sharded.
-    last_fn(last, x, mb) -> scalar whose sum over microbatches, batch shards and every other manual axis it
-      varies over is the loss (a value complete over an axis, e.g. a vocabulary-parallel cross-entropy, is
-      invariant over it and not summed). remat: store each chunk's input only and recompute its forward.
+    input_spec: the dims of each input after `[m, rows]`, e.g. `P('seq')`.
     routed_inputs: {key: 'first' | 'last'} for inputs only first_fn or only last_fn reads: split over `pipe`
       along dim 2 as well, gathered on the rank that reads them (`Layout.gather`).
-    replicas: R independent pipelines over the mesh axis `replica` (DiLoCo): every params leaf has a leading
-      [R] dim split over it, the input rows are split over it first, and every result gains a leading [R]
-      dim: replica r's, from its own weights and rows. Nothing is summed over `replica`.
-    vocab_parallel: last_fn runs on every pipe rank, on its own shard of the `last` weights (their specs
-      name `pipe`, e.g. the head split along the vocabulary), as a pass outside the per-rank switch in the
-      tick of each microbatch's last-stage forward (`_Ticks.head_pass`): the last stage's output is
-      broadcast over `pipe`, last_fn may use collectives over `pipe` and returns the same loss on every
-      rank, and the input cotangent (summed over `pipe` by the transpose) goes to the last stage's B.
-      Likewise first_fn runs on every rank on its `first` shard and returns that rank's share of the
-      embedding, summed over `pipe` before the tick of stage 0's forward (`_Ticks.embed_pass`); stage 0's
+    remat: store each chunk's input only and recompute its forward.
+    region (`parallax.parallel.region.Region`): with copies (DiLoCo), R independent pipelines over the copy
+      axis: every params leaf has a leading [R] dim split over it, the input rows are split over it first,
+      and every result gains a leading [R] dim: copy r's, from its own weights and rows; nothing is summed
+      over it. With `pipe` in its `vocab_axes`, last_fn runs on every pipe rank, on its own shard of the
+      `last` weights (their specs name `pipe`, e.g. the head split along the vocabulary), as a pass outside
+      the per-rank switch in the tick of each microbatch's last-stage forward (`_Ticks.head_pass`): the last
+      stage's output is broadcast over `pipe`, last_fn may use collectives over `pipe` and returns the same
+      loss on every rank, and the input cotangent (summed over `pipe` by the transpose) goes to the last
+      stage's B. Likewise first_fn runs on every rank on its `first` shard and returns that rank's share of
+      the embedding, summed over `pipe` before the tick of stage 0's forward (`_Ticks.embed_pass`); stage 0's
       input cotangent is broadcast after its backward and each rank takes its shard's gradient.
+    """
+    first_fn: Callable
+    last_fn: Callable
+    mesh: object
+    stage_fn: Callable | None = None
+    layer_fn: Callable | None = None
+    batch_axes: tuple = ("data", "fsdp")
+    param_specs: dict | None = None
+    input_spec: P = P()
+    stage_aux: bool = False
+    routed_inputs: dict | None = None
+    remat: bool = False
+    region: Region = SINGLE
+
+    @property
+    def spreads_vocab(self) -> bool:
+        """The embedding and head run on every pipe rank, on their vocabulary shards (`region.vocab_axes`)."""
+        return "pipe" in self.region.vocab_axes
+
+    def layout(self, schedule, params, inputs, microbatches=None) -> Layout:
+        return Layout.make(schedule, params, inputs, self.mesh, self.batch_axes, self.param_specs, self.input_spec,
+                           microbatches=microbatches, routed_inputs=self.routed_inputs, region=self.region)
+
+
+def pipeline_value_and_grad(schedule: Schedule, call: StageCall, params, inputs):
+    """Loss and gradients of a pipelined model (`call`, a `StageCall`), running `schedule` over the mesh
+    axis `pipe`.
+
+    params: {'first': used by stage 0's rank, 'stages': leaves `[p, v, ...]` (`layout.to_pipeline_layout`,
+      dim 0 sharded over `pipe`), 'last'}. inputs: arrays `[m, rows, ...]`, rows split over the call's
+      `batch_axes` of size > 1, the next dims as its `input_spec` says.
 
     Returns (loss, grads[, stats]): grads in the structure and layout of `params`, fp32, equal to
     `jax.value_and_grad` of the unpipelined model; stats leaves `[p, v, ...]`. Every weight is cast to
@@ -70,48 +103,40 @@ def pipeline_value_and_grad(schedule: Schedule, *, first_fn, last_fn, params, in
     """
     if schedule.steady:
         raise ValueError(f"{schedule.name} is a steady schedule: run it with pipeline_steady_step")
-    layout = Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
-                         routed_inputs=routed_inputs, replicas=replicas)
+    layout, region = call.layout(schedule, params, inputs), call.region
 
     def finish(ticks, loss, grads, stats, _):
         gw, gf, gl = grads
         loss, grads = layout.reduce(loss, {"first": gf, "stages": jax.tree.map(lambda a: a[None], gw), "last": gl},
                                     layout.specs, ticks.loss_axes)
-        return layout.stacked((loss, grads, layout.reduce_stats(stats)) if stage_aux else (loss, grads))
+        return region.tagged((loss, grads, layout.reduce_stats(stats)) if call.stage_aux else (loss, grads))
     # Stats leaves are [1, v, ...] per rank, split over `pipe` (P("pipe") is a prefix spec for all of them).
-    out_specs = (layout.stacked_spec(P()), layout.specs, layout.stacked_spec(P("pipe")))[:3 if stage_aux else 2]
-    # A schedule's paired actions (dualpipev) run in one branch; with vocab_parallel, whose head and embedding
-    # passes follow one action per tick, one after the other.
-    return _run(layout, compile_schedule(schedule, serialize=vocab_parallel), (first_fn, stage_fn, layer_fn, last_fn),
-                (params,), inputs, finish, out_specs, remat=remat, stage_aux=stage_aux, split_w=True,
-                vocab_parallel=vocab_parallel)
+    out_specs = (region.param_spec(P()), layout.specs, region.param_spec(P("pipe")))[:3 if call.stage_aux else 2]
+    # A schedule's paired actions (dualpipev) run in one branch; with the vocabulary over the pipe ranks, whose
+    # head and embedding passes follow one action per tick, one after the other.
+    return _run(layout, compile_schedule(schedule, serialize=call.spreads_vocab), call, (params,), inputs, finish,
+                out_specs, remat=call.remat, stage_aux=call.stage_aux, split_w=True)
 
 
-def pipeline_loss(schedule: Schedule, *, first_fn, last_fn, params, inputs, mesh, stage_fn=None, layer_fn=None,
-                  batch_axes=("data", "fsdp"), param_specs=None, input_spec=P(), stage_aux=False, routed_inputs=None,
-                  replicas=False, vocab_parallel=False):
+def pipeline_loss(schedule: Schedule, call: StageCall, params, inputs):
     """The loss of `pipeline_value_and_grad` alone (evaluation): the same shard_map and layout, running
     only the schedule's F actions (`compile_schedule(..., forward_only=True)`); nothing is stored for a
     backward and no gradient is accumulated. Stages' aux losses are not included (last_fn's loss alone).
-    With `replicas`, each replica's loss [R]."""
-    layout = Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
-                         routed_inputs=routed_inputs, replicas=replicas)
-    return _run(layout, compile_schedule(schedule, forward_only=True), (first_fn, stage_fn, layer_fn, last_fn),
-                (params,), inputs,
-                lambda ticks, loss, *_: layout.stacked(layout.reduce(loss, {}, {}, ticks.loss_axes)[0]),
-                layout.stacked_spec(P()), forward_only=True, stage_aux=stage_aux, vocab_parallel=vocab_parallel)
+    With copies (`call.region`), each copy's loss [R]."""
+    layout, region = call.layout(schedule, params, inputs), call.region
+    return _run(layout, compile_schedule(schedule, forward_only=True), call, (params,), inputs,
+                lambda ticks, loss, *_: region.tagged(layout.reduce(loss, {}, {}, ticks.loss_axes)[0]),
+                region.param_spec(P()), forward_only=True, stage_aux=call.stage_aux)
 
 
-def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previous, inputs, mesh, inflight=None,
-                         stage_fn=None, layer_fn=None, remat=False, batch_axes=("data", "fsdp"), param_specs=None,
-                         input_spec=P(), routed_inputs=None, replicas=False):
+def pipeline_steady_step(schedule: Schedule, call: StageCall, params, previous, inputs, inflight=None):
     """One step of a steady schedule (`2bw`): one window of an endless pipeline, with no flush.
 
     The window runs the current step's forwards with `params` and finishes the previous step's
     microbatches in flight with `previous` (the weights their forwards used: PipeDream-2BW's second weight
     version). `inputs` hold 2m microbatches `[2m, rows, ...]`: the previous step's m, then the current
     step's. `inflight`: what the previous window left in flight (None: an empty pipeline; the previous
-    step's microbatches then run on zeros). Other arguments as `pipeline_value_and_grad` (no stage aux).
+    step's microbatches then run on zeros). `call` as for `pipeline_value_and_grad` (no stage aux, no copies).
 
     Returns `((loss, grads) of the previous step's part run in this window, (loss, grads) of the current
     step's part, inflight)`: a step's loss and gradient are the sum of its parts in two windows.
@@ -119,12 +144,11 @@ def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previ
     over the shard_map's manual axes (`layout.manual_axes`); opaque: hand them to the next call."""
     if not schedule.steady:
         raise ValueError(f"{schedule.name} flushes every step: run it with pipeline_value_and_grad")
-    if replicas:
-        raise ValueError(f"{schedule.name} runs without replicas: a window carries the previous step's microbatches")
+    if call.region.copied:
+        raise ValueError(f"{schedule.name} runs without copies: a window carries the previous step's microbatches")
     m = schedule.num_microbatches
-    layout = Layout.make(schedule, params, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m,
-                         routed_inputs=routed_inputs)
-    Layout.make(schedule, previous, inputs, mesh, batch_axes, param_specs, input_spec, microbatches=2 * m)
+    layout = call.layout(schedule, params, inputs, microbatches=2 * m)
+    call.layout(schedule, previous, inputs, microbatches=2 * m)
     spec = P(layout.manual)
 
     def finish(ticks, loss, grads, _, inflight):
@@ -133,28 +157,29 @@ def pipeline_steady_step(schedule: Schedule, *, first_fn, last_fn, params, previ
         parts = tuple({"first": jax.tree.map(lambda a: a[k], gf), "last": jax.tree.map(lambda a: a[k], gl),
                        "stages": jax.tree.map(lambda a: a[None, k * v:(k + 1) * v], gw)} for k in range(2))
         loss, parts = layout.reduce(loss, parts, (layout.specs, layout.specs), ticks.loss_axes)
-        inflight = jax.tree.map(lambda a: cast(a, layout.manual)[None], inflight)
+        inflight = jax.tree.map(lambda a: vary(a, layout.manual)[None], inflight)
         return (loss[0], parts[0]), (loss[1], parts[1]), inflight
-    return _run(layout, compile_schedule(schedule), (first_fn, stage_fn, layer_fn, last_fn), (previous, params),
-                inputs, finish, ((P(), layout.specs), (P(), layout.specs), spec), inflight=inflight,
-                inflight_spec=spec, remat=remat)
+    return _run(layout, compile_schedule(schedule), call, (previous, params), inputs, finish,
+                ((P(), layout.specs), (P(), layout.specs), spec), inflight=inflight, inflight_spec=spec,
+                remat=call.remat)
 
 
-def _run(layout, prog, fns, weights, inputs, finish, out_specs, inflight=None, inflight_spec=P(), **options):
+def _run(layout, prog, call, weights, inputs, finish, out_specs, inflight=None, inflight_spec=P(), **options):
     """Runs `prog` in `layout`'s shard_map with the weight versions `weights` (oldest first) and returns
-    `finish(ticks, loss, grads, stats, inflight)` of this rank's results. `fns`: (first_fn, stage_fn,
-    layer_fn, last_fn), exactly one of stage_fn / layer_fn given."""
-    first_fn, stage_fn, layer_fn, last_fn = fns
+    `finish(ticks, loss, grads, stats, inflight)` of this rank's results. `call`: the `StageCall`, with
+    exactly one of stage_fn / layer_fn given."""
+    first_fn, stage_fn, layer_fn, last_fn = call.first_fn, call.stage_fn, call.layer_fn, call.last_fn
     if (stage_fn is None) == (layer_fn is None):
         raise TypeError("give the executor exactly one of stage_fn (a chunk) and layer_fn (one layer)")
     fns, k = (first_fn, stage_fn or layer_fn, last_fn), len(weights)
     options["layered"] = layer_fn is not None
     options["active"] = layout.active
+    options["spread_vocab"] = call.spreads_vocab
     # The devices' platform (for `reduction_dtype`); an abstract mesh (shape checks) has none: the host's.
     options["platform"] = layout.mesh.devices.flat[0].platform if isinstance(layout.mesh, jax.sharding.Mesh) else None
 
     def body(*args):
-        versions = [dict(zip(("first", "stages", "last"), layout.local(args[3 * i:3 * i + 3]))) for i in range(k)]
+        versions = [dict(zip(("first", "stages", "last"), layout.region.own(args[3 * i:3 * i + 3]))) for i in range(k)]
         inputs, carried = args[3 * k], args[3 * k + 1]
         ticks = _Ticks(fns, layout.manual, versions, layout.gather(inputs), batch=layout.batch, **options)
         if carried is not None:
@@ -196,21 +221,21 @@ class _Ticks:
     (stages `[1, v, ...]` on this rank), oldest first; one for a flushing schedule."""
 
     def __init__(self, fns, manual, versions, inputs, *, remat=False, forward_only=False, stage_aux=False,
-                 batch=(), layered=False, split_w=False, active=None, vocab_parallel=False, platform=None):
+                 batch=(), layered=False, split_w=False, active=None, spread_vocab=False, platform=None):
         self.first_fn, layer_fn, self.last_fn = fns
-        self.vocab_parallel, self.platform = vocab_parallel, platform
+        self.spread_vocab, self.platform = spread_vocab, platform
         self.active = active  # bool [p, v, Lc] numpy: an uneven layout's real layer slots (`active_layers`)
         self.manual, self.forward_only = manual, forward_only
         # Every weight varies over every manual axis, so that no vjp transpose inserts a psum.
-        vary = functools.partial(jax.tree.map, lambda a: cast(a, manual))
-        self.versions = tuple((vary(w["first"]), vary(jax.tree.map(lambda a: a[0], w["stages"])), vary(w["last"]))
-                              for w in versions)  # stages: [v, ...]
+        varying = functools.partial(jax.tree.map, lambda a: vary(a, manual))
+        self.versions = tuple((varying(w["first"]), varying(jax.tree.map(lambda a: a[0], w["stages"])),
+                               varying(w["last"])) for w in versions)  # stages: [v, ...]
         first, stages, last = self.versions[-1]
         self.num_chunks = jax.tree.leaves(stages)[0].shape[0]
         # Inputs vary over `pipe` too (so that whatever the stages derive from them counts as per-microbatch,
         # see `Stage.probe`) but stay invariant over the model axes: they are the same on those ranks, which
         # keeps, e.g., a vocabulary-parallel loss invariant over `tensor`.
-        self.inputs = jax.tree.map(lambda a: cast(a, ("pipe",)), inputs)
+        self.inputs = jax.tree.map(lambda a: vary(a, ("pipe",)), inputs)
         mb0 = _index(self.inputs, 0)
         self.x0 = self.first_fn(first, mb0)
         # Stats are this rank's sums over its rows: typed varying over `pipe` and the batch axes, so that the
@@ -219,7 +244,7 @@ class _Ticks:
                            remat=remat, forward_only=forward_only, split_w=split_w, stats_axes=("pipe", *batch))
         # The loss is summed over `pipe` and the manual axes last_fn's value (and, in training, the stages'
         # aux losses) vary over.
-        loss_vma = vma(self.last_fn(last, self.x0, mb0)) | ({"pipe"} if vocab_parallel else set())
+        loss_vma = vma(self.last_fn(last, self.x0, mb0)) | ({"pipe"} if spread_vocab else set())
         if self.stage.term0 is not None:
             loss_vma = loss_vma | vma(self.stage.term0)
         self.loss_axes = tuple(a for a in manual if a == "pipe" or a in loss_vma)
@@ -242,7 +267,7 @@ class _Ticks:
         return (zeros(self.x0) if msg is None else msg.astype(self.x0.dtype),
                 tuple(zeros(a) for a in stage.slot_avals()) if res is None else res, cot, grads,
                 zeros(jax.ShapeDtypeStruct((), f32), axes=self.loss_axes) if loss is None else
-                cast(loss.astype(f32), self.loss_axes),
+                vary(loss.astype(f32), self.loss_axes),
                 jax.tree.map(zeros, stage.stats0) if stats is None else stats)
 
     def active_of(self, ins):
@@ -262,12 +287,12 @@ class _Ticks:
 
         def fwd_in(w, inbox, ins, first):  # -> (microbatch inputs, chunk input)
             mb = _index(self.inputs, ins[Field.MB])
-            if first:  # with vocab_parallel, the embedding pass's sum, computed before the switch (`tick`)
-                return mb, self.embedded if self.vocab_parallel else self.first_fn(w[0], mb)
+            if first:  # with the vocabulary over the pipe ranks, the embedding pass's sum, computed before the switch (`tick`)
+                return mb, self.embedded if self.spread_vocab else self.first_fn(w[0], mb)
             return mb, inbox[ins[Field.IN]]
 
         def fwd_out(w, mb, y, res, term, stats, last):
-            if not last or self.vocab_parallel:  # with vocab_parallel the head runs after the switch (`head_pass`)
+            if not last or self.spread_vocab:  # with the vocabulary over the pipe ranks the head runs after the switch (`head_pass`)
                 return self.out(msg=y, res=res, loss=term, stats=stats or None)
             last_p = w[2]
             if self.forward_only:
@@ -275,7 +300,7 @@ class _Ticks:
             l, pb = jax.vjp(lambda lp, y: self.last_fn(lp, y, mb), last_p, y)
             dlast, dy = pb(jnp.ones_like(l))
             if term is not None:
-                l = cast(l.astype(jnp.float32), self.loss_axes) + cast(term, self.loss_axes)
+                l = vary(l.astype(jnp.float32), self.loss_axes) + vary(term, self.loss_axes)
             return self.out(msg=dy, res=res, dlast=dlast, loss=l, stats=stats or None)
 
         def fwd(w, slots, cots, inbox, ins, first=False, last=False):
@@ -284,7 +309,7 @@ class _Ticks:
             return fwd_out(w, mb, y, res, term, stats, last)
 
         def bwd_out(w, mb, dx, dw, keep, need_dx, first):
-            if need_dx and first and self.vocab_parallel:  # the embedding's backward runs after the switch
+            if need_dx and first and self.spread_vocab:  # the embedding's backward runs after the switch
                 return self.out(msg=dx, dw=dw, cots=keep)
             if need_dx and first:
                 return self.out(dw=dw, cots=keep, dfirst=jax.vjp(lambda fp: self.first_fn(fp, mb), w[0])[1](dx)[0])
@@ -320,7 +345,7 @@ class _Ticks:
         return [functools.partial(impls[b], w) for w in self.versions for b in prog.branches]
 
     def head_pass(self, mb_index, last_rank, msg, inbox, ins, loss, glast):
-        """The vocabulary-parallel head (`vocab_parallel`) of microbatch `mb_index` on every pipe rank, in the
+        """The vocabulary-parallel head (`spread_vocab`) of microbatch `mb_index` on every pipe rank, in the
         tick of its last-stage forward: the last stage's output `msg` broadcast from `last_rank` (a psum of
         zeros elsewhere), last_fn on this rank's `last` shard (its collectives over `pipe` give every rank the
         loss), and, training, the vjp: this rank's `last` gradient accumulated, and the output cotangent,
@@ -336,28 +361,28 @@ class _Ticks:
         on_last = rank == last_rank  # the loss counts once, summed over `pipe` by the reduction
 
         def head(lp, h):  # h made varying over `pipe` before the cast, so that its transpose sums in `wide`
-            return self.last_fn(lp, cast(h, ("pipe",)).astype(msg.dtype), mb)
+            return self.last_fn(lp, vary(h, ("pipe",)).astype(msg.dtype), mb)
         if self.forward_only:
             l = head(last, h).astype(jnp.float32)
-            return inbox, loss + cast(jnp.where(on_last, l, 0.0), self.loss_axes), glast
+            return inbox, loss + vary(jnp.where(on_last, l, 0.0), self.loss_axes), glast
         l, pb = jax.vjp(head, last, h)
         # The loss is the same on every rank; typed varying over `pipe` (the inputs are), a cotangent of 1 on
         # each rank would count it p times, so it is seeded on one rank.
-        seed = cast(jnp.where(on_last, 1.0, 0.0).astype(l.dtype), tuple(vma(l))) if "pipe" in vma(l) else \
+        seed = vary(jnp.where(on_last, 1.0, 0.0).astype(l.dtype), tuple(vma(l))) if "pipe" in vma(l) else \
             jnp.ones_like(l)
         dlast, dh = pb(seed)
         inbox = _write(inbox, jnp.where(on_last, ins[Field.LOCAL], -1), dh.astype(inbox.dtype))
         glast = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), glast, dlast)
-        return inbox, loss + cast(jnp.where(on_last, l.astype(jnp.float32), 0.0), self.loss_axes), glast
+        return inbox, loss + vary(jnp.where(on_last, l.astype(jnp.float32), 0.0), self.loss_axes), glast
 
     def embed_pass(self, mb_index):
-        """The vocabulary-parallel embedding of microbatch `mb_index` (`vocab_parallel`), before the tick of
+        """The vocabulary-parallel embedding of microbatch `mb_index` (`spread_vocab`), before the tick of
         its stage-0 forward: every rank's share (first_fn on its `first` shard), summed over `pipe` in
         `reduction_dtype`. Outside the switch: every rank takes the same branch."""
         first, _, _ = self.versions[-1]
         part = self.first_fn(first, _index(self.inputs, mb_index))
         wide = reduction_dtype(part.dtype, self.platform)
-        return cast(jax.lax.psum(part.astype(wide), "pipe").astype(self.x0.dtype), tuple(vma(self.x0)))
+        return vary(jax.lax.psum(part.astype(wide), "pipe").astype(self.x0.dtype), tuple(vma(self.x0)))
 
     def embed_grad(self, mb_index, first_rank, msg, gfirst):
         """After the tick of stage 0's backward of microbatch `mb_index`: its input cotangent (`msg` on
@@ -367,7 +392,7 @@ class _Ticks:
         wide = reduction_dtype(msg.dtype, self.platform)
         dx = jax.lax.psum(jnp.where(rank == first_rank, msg, jnp.zeros((), msg.dtype)).astype(wide), "pipe")
         part, pb = jax.vjp(lambda fp: self.first_fn(fp, _index(self.inputs, mb_index)), first)
-        dfirst = pb(cast(dx.astype(part.dtype), tuple(vma(part))))[0]
+        dfirst = pb(vary(dx.astype(part.dtype), tuple(vma(part))))[0]
         return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), gfirst, dfirst)
 
     def tick(self, prog: Program):
@@ -386,15 +411,15 @@ class _Ticks:
         versions, v = len(self.versions), self.num_chunks
 
         ops = self.ops(prog)
-        last_rank = int(np.argwhere(ops == Op.F_LAST)[0][1]) if self.vocab_parallel else -1
-        first_rank = int(np.argwhere(ops == Op.F_FIRST)[0][1]) if self.vocab_parallel else -1
+        last_rank = int(np.argwhere(ops == Op.F_LAST)[0][1]) if self.spread_vocab else -1
+        first_rank = int(np.argwhere(ops == Op.F_FIRST)[0][1]) if self.spread_vocab else -1
 
         def step(carry, xs):  # code_t: [p, fields]; send_t: this tick's send pattern up and down (0: none);
             # head_t / embed_t / dembed_t: the microbatch of this tick's last-stage forward, stage-0 forward,
             code_t, send_t, head_t, embed_t, dembed_t = xs  # stage-0 backward (-1: none)
             slots, cots, inbox, grads, loss, stats = carry
             ins = code_t[rank]
-            if self.vocab_parallel:  # read by stage 0's forward branch (`branches`): a value of this trace
+            if self.spread_vocab:  # read by stage 0's forward branch (`branches`): a value of this trace
                 self.embedded = jax.lax.cond(embed_t >= 0, self.embed_pass, lambda _: zeros(self.x0), embed_t)
             version = ins[Field.VERSION]
             branch = ins[Field.BRANCH] + len(prog.branches) * version
@@ -414,7 +439,7 @@ class _Ticks:
                     gf, gl = jax.tree.map(jnp.add, gf, df), jax.tree.map(jnp.add, gl, dl)
                 grads = (gw, gf, gl)
             inbox = _write(inbox, ins[Field.LOCAL], msg)
-            if self.vocab_parallel:  # xs carries the microbatch of this tick's last-stage forward (-1: none)
+            if self.spread_vocab:  # xs carries the microbatch of this tick's last-stage forward (-1: none)
                 # Only the head's / embedding's accumulators pass through the conds (the stage gradients,
                 # the big ones, would be copied through a conditional).
                 def head(inbox, loss, glast):
@@ -512,8 +537,8 @@ class _Ticks:
         slots = tuple(buffer(a, prog.num_slots) for a in stage.slot_avals())
         inbox = buffer(self.x0, prog.inbox_size)
         if inflight is not None:  # typed as the empty pipeline's buffers
-            slots = tuple(cast(a, vma(z)) for a, z in zip(inflight[0], slots))
-            inbox = cast(inflight[1], vma(inbox))
+            slots = tuple(vary(a, vma(z)) for a, z in zip(inflight[0], slots))
+            inbox = vary(inflight[1], vma(inbox))
         cots = tuple(buffer(a, prog.num_slots) for a in stage.cot_avals()) if stage.split_w else ()
         k = len(self.versions)
         lead = () if k == 1 else (k,)

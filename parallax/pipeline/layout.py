@@ -4,13 +4,13 @@ the values' varying-axis types inside it.
 `to_pipeline_layout` / `from_pipeline_layout` move stacked layer weights `[L, ...]` to the executor's
 `[p, v, Lc, ...]` layout and back (`Lc = L / (p * v)`, or an uneven layout's largest stage, padded). `Layout.make` checks the executor's arguments against the
 schedule and the mesh and derives the in/out specs; `Layout.gather` brings a routed input whole to the
-one rank that reads it; `Layout.call` runs a body in the shard_map. `cast` / `zeros` give values the
-varying-axis types (`vma`) the executor's carry and branches need.
+one rank that reads it; `Layout.call` runs a body in the shard_map. `zeros` (and `region.vary`) give values
+the varying-axis types (`compat.varying_axes`) the executor's carry and branches need.
 
 Axis names: `pipe` (ranks), and the batch axes (`data`, `fsdp` by default) over which microbatch rows
-are split. With `replicas` (DiLoCo, `parallax.paths.diloco`), `replica` too: every weight has a leading
-[R] dim split over it, the rows are split over it first, and every result gains a leading [R] dim; the
-executor then runs R independent pipelines and sums nothing over `replica`.
+are split. A region with copies (`parallax.parallel.region.Region`: DiLoCo's `replica`) adds its axis:
+every weight has a leading [R] dim split over it, the rows are split over it first, and every result gains
+a leading [R] dim; the executor then runs R independent pipelines and sums nothing over it.
 """
 import dataclasses
 
@@ -20,7 +20,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallax.mesh import REPLICA
+from parallax.compat import varying_axes
+from parallax.parallel.region import SINGLE, Region, vary
 from parallax.pipeline.schedule import Schedule
 
 
@@ -116,21 +117,10 @@ def place(tree, mesh, specs):
     return jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), tree, specs)
 
 
-def vma(a) -> frozenset:
-    """The manual mesh axes over which `a` varies (its type inside the shard_map)."""
-    return jax.typeof(a).manual_axis_type.varying
-
-
-def cast(a, axes):
-    """`a` varying over `axes` as well."""
-    missing = tuple(x for x in axes if x not in vma(a))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-
 def zeros(a, dtype=None, axes=None):
     """Zeros like `a`, varying over `axes` (default: as `a` is)."""
-    axes = tuple(vma(a)) if axes is None else axes
-    return cast(jnp.zeros(a.shape, dtype or a.dtype), axes)
+    axes = tuple(varying_axes(a)) if axes is None else axes
+    return vary(jnp.zeros(a.shape, dtype or a.dtype), axes)
 
 
 def axes_of(spec) -> set:
@@ -138,11 +128,11 @@ def axes_of(spec) -> set:
     return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
 
-def manual_axes(mesh, batch_axes, param_specs, input_spec) -> tuple:
+def manual_axes(mesh, batch_axes, param_specs, input_spec, region: Region = SINGLE) -> tuple:
     """The mesh axes the executor's shard_map is manual over: `pipe`, the batch axes of size > 1, and the
     other axes of size > 1 that the specs name. A steady step's in-flight leaves are split over them."""
     batch = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1)
-    named = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(param_specs))) - {"pipe", REPLICA}
+    named = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(param_specs))) - {"pipe", *region.copies}
     return ("pipe",) + batch + tuple(a for a in mesh.axis_names if a in named and a not in batch and mesh.shape[a] > 1)
 
 
@@ -155,25 +145,25 @@ class Layout:
     manual: tuple
     batch: tuple  # the batch axes of size > 1 (manual)
     routed: tuple = ()  # (input key, the pipe rank that reads it): split over `pipe` along dim 2, see `gather`
-    replicas: bool = False  # DiLoCo: weights and results [R, ...] over `replica`, rows split over it first
+    region: Region = SINGLE  # copies (DiLoCo): weights and results [R, ...] over `replica`, rows split over it first
     active: object = None  # an uneven layout's bool [p, v, Lc] of real layer slots (`active_layers`), or None
 
     @classmethod
     def make(cls, schedule, params, inputs, mesh, batch_axes, param_specs, input_spec,
-             microbatches=None, routed_inputs=None, replicas=False) -> "Layout":
+             microbatches=None, routed_inputs=None, region: Region = SINGLE) -> "Layout":
         """Checks the arguments' shapes against the schedule and the mesh, and derives the specs."""
         p, v, m = schedule.num_ranks, schedule.num_chunks, microbatches or schedule.num_microbatches
         if mesh.shape.get("pipe") != p:
             raise ValueError(f"schedule {schedule.name} has {p} ranks but the mesh has pipe="
                              f"{mesh.shape.get('pipe')}; set mesh pipe={p}")
         batch = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1)
-        rows = ((REPLICA,) if replicas else ()) + batch
+        rows = region.copies + batch
         dp = int(np.prod([mesh.shape[a] for a in rows]))
         for path, a in jax.tree_util.tree_leaves_with_path(inputs):
             if a.ndim < 2 or a.shape[0] != m or a.shape[1] % dp:
                 raise ValueError(f"input {jax.tree_util.keystr(path)} has shape {a.shape}; it needs [m={m}, "
                                  f"rows, ...] with rows divisible by {dp} (the size of {rows})")
-        lead = 1 if replicas else 0
+        lead = len(region.copies)
         active = active_layers(schedule)
         for path, a in jax.tree_util.tree_leaves_with_path(params["stages"]):
             if a.shape[lead:lead + 2] != (p, v) or (active is not None and a.shape[lead + 2] != active.shape[2]):
@@ -189,10 +179,9 @@ class Layout:
             leaf_specs = [P()] * tree.num_leaves if given is None else tree.flatten_up_to(given)
             if key == "stages":
                 leaf_specs = [P("pipe", None, *s) for s in leaf_specs]
-            if replicas:
-                leaf_specs = [P(REPLICA, *s) for s in leaf_specs]
+            leaf_specs = [region.param_spec(s) for s in leaf_specs]
             specs[key] = jax.tree.unflatten(tree, leaf_specs)
-        model_axes = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(specs))) - {"pipe", REPLICA}
+        model_axes = set().union(axes_of(input_spec), *map(axes_of, jax.tree.leaves(specs))) - {"pipe", *region.copies}
         unknown = model_axes - set(mesh.axis_names)
         if unknown or set(batch) & axes_of(input_spec):
             raise ValueError(f"param_specs / input_spec name axes {sorted(model_axes)}: they must be mesh axes "
@@ -212,20 +201,8 @@ class Layout:
             routed = tuple((key, ranks[role]) for key, role in sorted(routed_inputs.items()))
             batch_spec = {k: P(None, rows if rows else None, split) if k in routed_inputs else batch_spec
                           for k in inputs}
-        manual = ((REPLICA,) if replicas else ()) + manual_axes(mesh, batch_axes, specs, input_spec)
-        return cls(mesh, specs, batch_spec, manual, batch, routed, replicas, active)
-
-    def local(self, tree):
-        """Inside the shard_map: this replica's weights (the leading [R] dim, 1 per rank, dropped)."""
-        return jax.tree.map(lambda a: a[0], tree) if self.replicas else tree
-
-    def stacked(self, tree):
-        """Inside the shard_map: results with their leading [R] dim (1 per rank) back."""
-        return jax.tree.map(lambda a: a[None], tree) if self.replicas else tree
-
-    def stacked_spec(self, spec: P) -> P:
-        """The out spec of a result of spec `spec` after `stacked`."""
-        return P(REPLICA, *spec) if self.replicas else spec
+        manual = region.copies + manual_axes(mesh, batch_axes, specs, input_spec, region)
+        return cls(mesh, specs, batch_spec, manual, batch, routed, region, active)
 
     def gather(self, inputs):
         """Inside the shard_map: each routed input whole on the rank that reads it (stage 0's rank for the
@@ -265,7 +242,7 @@ class Layout:
         `replica` (each replica's results are its own)."""
         leaves, tree = jax.tree.flatten((loss, grads))
         axes = [loss_axes] + [tuple(a for a in self.manual if a not in axes_of(s)) for s in jax.tree.leaves(specs)]
-        axes = [tuple(a for a in group if a != REPLICA) for group in axes]
+        axes = [self.region.reduced_over(group) for group in axes]
         for group in dict.fromkeys(a for a in axes if a):
             idx = [i for i, a in enumerate(axes) if a == group]
             for i, r in zip(idx, jax.lax.psum([leaves[i] for i in idx], group)):
@@ -276,6 +253,6 @@ class Layout:
         """Stats `[v, ...]` per rank -> `[1, v, ...]` summed over the batch axes and the other manual axes
         but `pipe` they vary over (e.g. `seq`)."""
         def one(a):
-            axes = tuple(x for x in self.manual if x not in ("pipe", REPLICA) and x in vma(a))
+            axes = tuple(x for x in self.region.reduced_over(self.manual) if x != "pipe" and x in varying_axes(a))
             return (jax.lax.psum(a, axes) if axes else a)[None]
         return jax.tree.map(one, stats)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from parallax.errors import ConfigError
-from parallax.pipeline.schedule import KINDS, Schedule, ScheduleError, ScheduleKind, balanced_layers, make_schedule
+from parallax.pipeline.schedule import DEFAULT, KINDS, Schedule, ScheduleError, ScheduleKind, balanced_layers, make_schedule
 from parallax.pipeline.validate import validate
 
 # The section `config.pipeline`.
 KEYS = dict(
-    schedule="1f1b",  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | v_half | v_min | dualpipev | 2bw (pipe > 1)
+    schedule=DEFAULT,  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | v_half | v_min | dualpipev | 2bw (pipe > 1)
     microbatches=4,  # pipeline microbatches per step
     virtual_stages=1,  # stages (chunks) per pipeline rank (interleaved_1f1b; zbv, v_half, v_min, dualpipev take 2)
     remat=False,  # store only each chunk's input and recompute its forward in the backward

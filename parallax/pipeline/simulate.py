@@ -71,18 +71,18 @@ def _cost_table(schedule: Schedule, costs) -> np.ndarray:
 
 
 def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0,
-               vocab_parallel: bool = False) -> dict:
+               spread_vocab: bool = False) -> dict:
     """Per-stage action costs from counted forward FLOPs (`parallax.pipeline.work.part_flops`), as the
     executor runs the actions: F = the stage's layers (+ the embedding on stage 0; on the last stage the
     head and loss forward *and* backward, which its F runs to start the backward: 3 x `loss`), B = W = the
     layers' forward FLOPs each (input and weight gradients: one matmul each per forward matmul). With
-    `vocab_parallel` the head's 3 x `loss` is split over the ranks and runs on all of them in the tick of
+    `spread_vocab` (pipeline.vocab_parallel) the head's 3 x `loss` is split over the ranks and runs on all of them in the tick of
     the last stage's F (`head_pass`: every rank busy for 3 x loss / p in that tick)."""
     n = np.asarray(schedule.stage_layers(num_layers), float)
     f = n * layer
     f[0] += embed
     costs = {"F": f, "B": n * layer, "W": n * layer}
-    if vocab_parallel:
+    if spread_vocab:
         costs["head_pass"] = 3 * loss / schedule.num_ranks
     else:
         f[-1] += 3 * loss
@@ -90,7 +90,7 @@ def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float =
 
 
 def best_layout(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0,
-                vocab_parallel: bool = False) -> tuple:
+                spread_vocab: bool = False) -> tuple:
     """Layers per stage for `schedule` that make its lockstep step time (what the executor pays) shortest at
     the per-stage costs of `flop_costs`: from the best of the even layout (when it exists) and the FLOP-
     balanced one (`balanced_layers`), move one layer between two stages while that shortens the step.
@@ -100,8 +100,8 @@ def best_layout(schedule: Schedule, num_layers: int, layer: float, embed: float 
 
     def time(layers):
         s = schedule.with_layers(layers)
-        return simulate(s, flop_costs(s, num_layers, layer, embed, loss, vocab_parallel)).total_time
-    starts = [balanced_layers(num_layers, stages, layer, embed, 0.0 if vocab_parallel else loss)]
+        return simulate(s, flop_costs(s, num_layers, layer, embed, loss, spread_vocab)).total_time
+    starts = [balanced_layers(num_layers, stages, layer, embed, 0.0 if spread_vocab else loss)]
     if num_layers % stages == 0:
         starts.append((num_layers // stages,) * stages)
     best = min(starts, key=time)

@@ -19,7 +19,9 @@ forward, B or W, so the backward's B / W split (`split.py`) stays per layer.
 import jax
 import jax.numpy as jnp
 
-from parallax.pipeline.layout import cast, vma, zeros
+from parallax.compat import varying_axes as vma
+from parallax.parallel.region import vary
+from parallax.pipeline.layout import zeros
 from parallax.pipeline.split import SplitBackward
 
 
@@ -82,7 +84,7 @@ class Stage:
         if not self.stage_aux:
             return out, None, ()
         y, (term, stats) = out
-        return y, term.astype(jnp.float32), jax.tree.map(lambda a: cast(jax.lax.stop_gradient(a), self.stats_axes),
+        return y, term.astype(jnp.float32), jax.tree.map(lambda a: vary(jax.lax.stop_gradient(a), self.stats_axes),
                                                          stats)
 
     def vjp_layer(self, w, x, mb):
@@ -102,7 +104,7 @@ class Stage:
         """The pullback's cotangent for an output cotangent dy: (dy, 1) with stage aux losses, else dy."""
         if not self.stage_aux:
             return dy
-        return dy, cast(jnp.ones((), jnp.float32), tuple(vma(self.term0)))
+        return dy, vary(jnp.ones((), jnp.float32), tuple(vma(self.term0)))
 
     def probe(self, w0, x0, mb0):
         """Traces one layer's pullback to learn its treedef and which leaves are real residuals (to store),
@@ -193,7 +195,7 @@ class Stage:
             with jax.named_scope("pair_backward"):
                 j = n - 1 - i
                 dwl, dx = self.pullback(self.layer(wb, j), tuple(r[j] for r in res_b), mbb)(self.seed(d))
-                dw = jax.tree.map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, cast(g, tuple(vma(a))), j, 0),
+                dw = jax.tree.map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, vary(g, tuple(vma(a))), j, 0),
                                   dw, dwl)
             return (y, dx, dw), out
         (y, dx, dw), (res, terms, stats) = jax.lax.scan(body, (x, dy, dw0), jnp.arange(n))

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import mesh as mesh_lib
 from parallax.errors import ConfigError
-from parallax.paths.pipeline import PipelinePath
+from parallax.steps.pipeline import PipelinePath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import manual_axes
 from parallax.pipeline.schedule import KINDS, make_schedule, names
@@ -61,11 +61,11 @@ class SteadyPipelinePath(PipelinePath):
         of this batch's part, inflight)`; `previous` are the weights the previous batch's forwards used.
         Gradients are fp32, in the layout of `params`."""
         schedule = self.steady
-        prev, cur = self.executor_args(previous, previous_batch, schedule), self.executor_args(params, batch, schedule)
-        inputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), prev["inputs"], cur["inputs"])
-        done, started, inflight = executor.pipeline_steady_step(
-            schedule, remat=self.plan.pipeline.remat, previous=prev["params"], inflight=inflight,
-            **{**cur, "inputs": inputs})
+        (prev, prev_inputs), (cur, cur_inputs) = (self.executor_inputs(previous, previous_batch, schedule),
+                                                  self.executor_inputs(params, batch, schedule))
+        inputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), prev_inputs, cur_inputs)
+        done, started, inflight = executor.pipeline_steady_step(schedule, self.stage_call(), cur, prev, inputs,
+                                                                inflight)
         return ((done[0], self.unstage(params, done[1], schedule)),
                 (started[0], self.unstage(params, started[1], schedule)), inflight)
 

@@ -24,9 +24,9 @@ from parallax import model as model_lib
 from parallax import sharding
 from parallax.compat import dce_jaxpr
 from parallax.errors import ConfigError
-from parallax.parallel import sequence
 from parallax.parallel.manual import DENSE, WEIGHT_AXES
-from parallax.paths.base import StepPath
+from parallax.parallel.region import SINGLE, Region
+from parallax.steps.base import StepPath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import from_pipeline_layout, to_pipeline_layout
 from parallax.pipeline.work import part_flops
@@ -164,46 +164,49 @@ class PipelinePath(StepPath):
             return model(rest_params).loss(x, mb, head_par)
         return {"first_fn": first_fn, "layer_fn": layer_fn, "last_fn": last_fn}
 
-    def executor_args(self, params, batch, schedule, replicas: bool = False) -> dict:
-        """The keyword arguments of the executor's entry points for `params` and `batch` under `schedule`.
-        `replicas` (DiLoCo): every params leaf has a leading [R] dim (`Layout.replicas`)."""
+    def stage_call(self, region: Region = SINGLE) -> executor.StageCall:
+        """What the executor runs for this path in `region` (with copies, DiLoCo's: every params leaf has a
+        leading [R] dim); the vocabulary over the pipe ranks with `pipeline.vocab_parallel`."""
+        if self.vocab_parallel:
+            region = dataclasses.replace(region, vocab_axes=("pipe",))
+        return executor.StageCall(
+            **self.functions(), mesh=self.mesh, batch_axes=self.plan.batch_axes, param_specs=self.param_specs,
+            input_spec=self.input_spec, routed_inputs=self.routed, stage_aux=self.stage_aux,
+            remat=self.plan.pipeline.remat, region=region)
+
+    def executor_inputs(self, params, batch, schedule, region: Region = SINGLE) -> tuple:
+        """(params, inputs) of the executor's entry points for `params` and `batch` under `schedule`."""
         rest = {k: v for k, v in params.items() if k != "blocks"}
         to_layout = functools.partial(to_pipeline_layout, schedule=schedule)
         laid_out = self.outer_par.laid_out(batch)  # zigzag, usp or balanced: each seq rank's shard is then its own
-        return dict(
-            **self.functions(),
-            params={"first": _subtree(rest, self.first_keys),
-                    "stages": (jax.vmap(to_layout) if replicas else to_layout)(params["blocks"]),
-                    "last": _subtree(rest, self.last_keys)},
-            inputs=self.split_microbatches(laid_out, schedule.num_microbatches, replicas=replicas), mesh=self.mesh,
-            batch_axes=self.plan.batch_axes, param_specs=self.param_specs, input_spec=self.input_spec,
-            routed_inputs=self.routed, replicas=replicas, **({"vocab_parallel": True} if self.vocab_parallel else {}))
+        return ({"first": _subtree(rest, self.first_keys), "stages": region.per_copy(to_layout)(params["blocks"]),
+                 "last": _subtree(rest, self.last_keys)},
+                self.split_microbatches(laid_out, schedule.num_microbatches, region))
 
-    def unstage(self, params, grads, schedule, replicas: bool = False):
+    def unstage(self, params, grads, schedule, region: Region = SINGLE):
         """Executor gradients `{first, stages, last}` -> the layout of `params`."""
         rest = {k: v for k, v in params.items() if k != "blocks"}
         from_layout = functools.partial(from_pipeline_layout, schedule=schedule)
         return {**_combine(rest, grads["first"], grads["last"]),
-                "blocks": (jax.vmap(from_layout) if replicas else from_layout)(grads["stages"])}
+                "blocks": region.per_copy(from_layout)(grads["stages"])}
 
     # --- the loss -------------------------------------------------------------------------------------
 
-    def sum(self, params, batch, replicas: bool = False):
-        """The loss sum; with `replicas` (DiLoCo: params [R, ...], `Layout.replicas`), each replica's [R]
-        over its own rows of `batch`."""
-        return executor.pipeline_loss(self.schedule, stage_aux=self.stage_aux,
-                                      **self.executor_args(params, batch, self.schedule, replicas))
+    def sum(self, params, batch, region: Region = SINGLE):
+        """The loss sum; in a region with copies (DiLoCo: params [R, ...]), each copy's [R] over its own
+        rows of `batch`."""
+        return executor.pipeline_loss(self.schedule, self.stage_call(region),
+                                      *self.executor_inputs(params, batch, self.schedule, region))
 
-    def sum_and_grads(self, params, batch, replicas: bool = False):
-        """Pipelined gradients are fp32. With `replicas`, each replica's ([R] sums, gradients [R, ...],
+    def sum_and_grads(self, params, batch, region: Region = SINGLE):
+        """Pipelined gradients are fp32. In a region with copies, each copy's ([R] sums, gradients [R, ...],
         aux [R, ...]) on its own rows."""
         schedule = self.schedule
-        out = executor.pipeline_value_and_grad(schedule, remat=self.plan.pipeline.remat,
-                                               stage_aux=self.stage_aux,
-                                               **self.executor_args(params, batch, schedule, replicas))
+        out = executor.pipeline_value_and_grad(schedule, self.stage_call(region),
+                                               *self.executor_inputs(params, batch, schedule, region))
         from_layout = functools.partial(from_pipeline_layout, schedule=schedule)
-        aux = (jax.vmap(from_layout) if replicas else from_layout)(out[2]) if self.stage_aux else {}
-        return out[0], self.unstage(params, out[1], schedule, replicas), aux
+        aux = region.per_copy(from_layout)(out[2]) if self.stage_aux else {}
+        return out[0], self.unstage(params, out[1], schedule, region), aux
 
 
 def _leaf_names(logical, path: str) -> tuple:

@@ -4,10 +4,10 @@
 `runs(plan)` holds. A new kind of step (DiLoCo's replicas and outer step, `diloco.py`) is a new module
 with a `StepPath` subclass and one entry here.
 """
-from parallax.paths.base import DensePath, ManualPath, StepPath
-from parallax.paths.diloco import DilocoPath
-from parallax.paths.pipeline import PipelinePath
-from parallax.paths.steady import SteadyPipelinePath
+from parallax.steps.base import DensePath, ManualPath, StepPath
+from parallax.steps.diloco import DilocoPath
+from parallax.steps.pipeline import PipelinePath
+from parallax.steps.steady import SteadyPipelinePath
 
 PATHS = (DilocoPath, SteadyPipelinePath, PipelinePath, ManualPath, DensePath)
 

@@ -28,6 +28,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax import model as model_lib
 from parallax import sharding
 from parallax.parallel.manual import shard_loss
+from parallax.parallel.region import SINGLE, Region
+
+
+def accumulate(fn, microbatches):
+    """The sum over microbatches (leading dim of every leaf of `microbatches`) of `fn(microbatch)`, a
+    pytree, in one `lax.scan` from zeros of `fn`'s output type: gradient accumulation, eval's sums."""
+    shapes = jax.eval_shape(fn, jax.tree.map(lambda a: a[0], microbatches))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    out, _ = jax.lax.scan(lambda acc, mb: (jax.tree.map(jnp.add, acc, fn(mb)), None), zeros, microbatches)
+    return out
 
 
 class StepPath:
@@ -44,7 +54,7 @@ class StepPath:
 
     @classmethod
     def runs(cls, plan) -> bool:
-        """Whether this is the path `plan` needs (`parallax.paths.make_path` asks each in turn)."""
+        """Whether this is the path `plan` needs (`parallax.steps.make_path` asks each in turn)."""
         raise NotImplementedError
 
     # --- the batch ------------------------------------------------------------------------------------
@@ -60,12 +70,12 @@ class StepPath:
     def batch_shardings(self) -> dict:
         return {k: NamedSharding(self.mesh, self.batch_spec(k)) for k in self.plan.abstract_batch()}
 
-    def split_microbatches(self, batch, m: int, replicas: bool = False):
+    def split_microbatches(self, batch, m: int, region: Region = SINGLE):
         """(B, T) arrays -> (M, B/M, T); microbatch i takes rows i, i+M, ... so each batch shard stays local
-        (`replicas`: rows split over DiLoCo's `replica` axis first)."""
+        (`region` with copies: rows split over DiLoCo's `replica` axis first)."""
         def split(key, x):
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-            spec = sharding.with_replica_rows(self.batch_spec(key)) if replicas else self.batch_spec(key)
+            spec = region.rows_spec(self.batch_spec(key))
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, *spec)))
         return {k: split(k, x) for k, x in batch.items()}
 
@@ -90,18 +100,10 @@ class StepPath:
             loss, grads, aux = self.sum_and_grads(params, batch)
             return loss / total, jax.tree.map(lambda g: g / total, grads), aux
 
-        def body(carry, mb):
-            loss_acc, grad_acc, aux_acc = carry
+        def piece(mb):
             loss, grads, aux = self.sum_and_grads(params, mb)
-            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32) / total, grad_acc, grads)
-            return (loss_acc + loss / total, grad_acc, jax.tree.map(jnp.add, aux_acc, aux)), None
-
-        mbs = self.split_microbatches(batch, m)
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        aux_shapes = jax.eval_shape(lambda: self.sum_and_grads(params, jax.tree.map(lambda a: a[0], mbs))[2])
-        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
-        (loss, grads, aux), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros, aux_zeros), mbs)
-        return loss, grads, aux
+            return loss / total, jax.tree.map(lambda g: g.astype(jnp.float32) / total, grads), aux
+        return accumulate(piece, self.split_microbatches(batch, m))
 
     def eval_sums(self, params, batch):
         """[weighted loss sum, weight total] of one batch, forward only, in `train.microbatches` pieces as
@@ -110,8 +112,7 @@ class StepPath:
         if m == 1:
             loss = self.sum(params, batch)
         else:
-            loss, _ = jax.lax.scan(lambda acc, mb: (acc + self.sum(params, mb), None), jnp.zeros((), jnp.float32),
-                                   self.split_microbatches(batch, m))
+            loss = accumulate(lambda mb: self.sum(params, mb), self.split_microbatches(batch, m))
         return jnp.stack([loss, jnp.sum(batch["weights"])])
 
     # --- the step and its state -----------------------------------------------------------------------
@@ -167,7 +168,7 @@ class StepPath:
     @classmethod
     def check_resume(cls, saved: dict, now: dict) -> None:
         """Raises ConfigError if resuming a run of flat config `saved` with `now` breaks this path's state
-        (both flattened `{'a.b': value}`); `parallax.paths.check_resume` asks every path."""
+        (both flattened `{'a.b': value}`); `parallax.steps.check_resume` asks every path."""
 
     def check_restore(self, saved_tree: dict, abstract_state: dict) -> None:
         """Raises ConfigError if the checkpoint's tree (Orbax metadata) cannot be restored onto this mesh."""

@@ -4,7 +4,7 @@ The `replica` mesh axis (outermost) holds R copies of the model. Each replica is
 its own inside its devices: its parameters and inner optimizer state are sharded by the other axes (data,
 FSDP, tensor, seq, expert) exactly as a run without replicas would shard them, and it takes 1/R of every
 global batch's rows. An inner step is every replica's step at once, and issues **no collective over
-`replica`**: the model runs per rank in the manual region (`shard_loss(replicas=True)`), `replica` one more
+`replica`**: the model runs per rank in the manual region (`shard_loss` in a `Region` whose copies are `replica`), `replica` one more
 manual axis that only splits the stacked parameters and the rows; a model the plan runs densely runs
 there too, with data and FSDP explicit.
 
@@ -44,7 +44,7 @@ averaged with equal weights, as in the paper. Metrics stay [R] on the devices (a
 be a collective over `replica` at every step) and are averaged on the host.
 
 Pipelines (`mesh.pipe > 1`, flushing schedules): the executor runs the R replicas' pipelines in one region
-with `replica` as one more manual axis (`Layout.replicas`); its sums and gradients are divided by each
+with `replica` as one more manual axis (the region's copies); its sums and gradients are divided by each
 replica's weight total here.
 """
 
@@ -66,9 +66,10 @@ from parallax import sharding
 from parallax.errors import ConfigError
 from parallax.mesh import REPLICA
 from parallax.parallel.manual import shard_loss
+from parallax.parallel.region import Region
 from parallax.parallel.tensor import reduction_dtype
-from parallax.paths.base import StepPath
-from parallax.paths.pipeline import PipelinePath
+from parallax.steps.base import StepPath, accumulate
+from parallax.steps.pipeline import PipelinePath
 
 
 def _stacked(s: NamedSharding) -> NamedSharding:
@@ -107,12 +108,13 @@ class DilocoPath(StepPath):
 
     def __init__(self, plan, mesh):
         super().__init__(plan, mesh)
-        from parallax.paths import PATHS  # the inner path: the one this plan would run without replicas
+        from parallax.steps import PATHS  # the inner path: the one this plan would run without replicas
 
         self.inner = next(c for c in PATHS if c is not DilocoPath and c.runs(plan))(plan, mesh)
-        # A pipeline (flushing schedules): R independent pipelines in one executor run (`Layout.replicas`).
+        # A pipeline (flushing schedules): R independent pipelines in one executor run (the region's copies).
         self.pipelined = isinstance(self.inner, PipelinePath)
         self.replicas = plan.sizes[REPLICA]
+        self.region = Region(copies=(REPLICA,))  # each replica its own copy of the model
         if isinstance(mesh, jax.sharding.Mesh) and jax.process_count() > 1:
             # Each replica within one process (host) keeps every inner collective off the network between them.
             where = [sorted({d.process_index for d in mesh.devices[r].flat}) for r in range(self.replicas)]
@@ -150,11 +152,11 @@ class DilocoPath(StepPath):
     # --- the batch ------------------------------------------------------------------------------------
 
     def batch_spec(self, key: str) -> P:
-        return sharding.with_replica_rows(self.inner.batch_spec(key))
+        return self.region.rows_spec(self.inner.batch_spec(key))
 
     def rows_sharding(self) -> NamedSharding:
         s = self.inner.rows_sharding()
-        return NamedSharding(s.mesh, sharding.with_replica_rows(s.spec))
+        return NamedSharding(s.mesh, self.region.rows_spec(s.spec))
 
     def per_replica(self, batch):
         """[B, ...] arrays -> [R, B/R, ...]: replica r's rows (the r-th block of the rows)."""
@@ -168,7 +170,7 @@ class DilocoPath(StepPath):
         devices, the R sums added (the one collective over `replica`: a scalar)."""
         stacked = self._stack(params)
         if self.pipelined:
-            return jnp.sum(self.inner.sum(stacked, batch, replicas=True))
+            return jnp.sum(self.inner.sum(stacked, batch, self.region))
         return jnp.sum(self.replica_terms(stacked, batch)[0])
 
     def sum_and_grads(self, params, batch):
@@ -181,7 +183,7 @@ class DilocoPath(StepPath):
 
         def per_rank(p, b):
             return model_lib.loss_terms(nnx.merge(plan.graphdef, p), b, plan.remat, par)
-        return shard_loss(per_rank, par, self.mesh, plan.logical, replicas=True)(stacked, batch)
+        return shard_loss(per_rank, par, self.mesh, plan.logical, self.region)(stacked, batch)
 
     def replica_grads(self, stacked, batch):
         """([R] mean losses, gradients [R, ...] fp32, aux [R, ...]): each replica's loss (aux losses
@@ -195,7 +197,7 @@ class DilocoPath(StepPath):
 
         def grads_of(b):
             if self.pipelined:  # the executor's sums and their gradients, each replica's over its total
-                sums, grads, aux = self.inner.sum_and_grads(stacked, b, replicas=True)
+                sums, grads, aux = self.inner.sum_and_grads(stacked, b, self.region)
                 per = lambda g: g.astype(jnp.float32) / totals.reshape(-1, *(1,) * (g.ndim - 1))
                 return sums / totals, jax.tree.map(per, grads), aux
             (_, (losses, aux)), grads = jax.value_and_grad(objective, has_aux=True)(stacked, b)
@@ -205,13 +207,7 @@ class DilocoPath(StepPath):
         if m == 1:
             return grads_of(batch)
 
-        def body(carry, mb):
-            return jax.tree.map(jnp.add, carry, grads_of(mb)), None
-        mbs = self.split_microbatches(batch, m)
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                             jax.eval_shape(grads_of, jax.tree.map(lambda a: a[0], mbs)))
-        out, _ = jax.lax.scan(body, zeros, mbs)
-        return out
+        return accumulate(grads_of, self.split_microbatches(batch, m))
 
     # --- the step and its state -----------------------------------------------------------------------
 
