@@ -152,7 +152,6 @@ def bench_balance():
 
     from parallax.defaults import config_from_args
     from parallax.steps.pipeline import rank_balance
-    from parallax.pipeline.work import part_flops
     from parallax.pipeline.simulate import flop_costs, simulate
     from parallax.plan import make_plan
 
@@ -169,7 +168,7 @@ def bench_balance():
                 config.pipeline.update(schedule=schedule, virtual_stages=v, microbatches=4 * p, layout=layout,
                                        vocab_parallel=vocab)
                 plan = make_plan(config, 8 * p, "tpu")
-                rows, flops = rank_balance(plan), part_flops(plan)
+                rows, flops = rank_balance(plan), plan.parts.flops(plan.remat)
                 costs = flop_costs(plan.schedule, 32, flops["layer"], flops["embed"], flops["loss"], vocab)
                 total = sum(np.sum(costs[k]) for k in ("F", "B", "W")) + 3 * flops["loss"] * vocab
                 ideal = total * plan.schedule.num_microbatches / p

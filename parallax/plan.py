@@ -27,6 +27,7 @@ from parallax.errors import ConfigError
 from parallax.parallel import attention as attention_lib
 from parallax.parallel.manual import Parallelism
 from parallax.pipeline import settings as pipeline_settings
+from parallax.pipeline.parts import Parts
 from parallax.pipeline.schedule import Schedule
 
 
@@ -52,6 +53,7 @@ class Plan:
     remat: str  # model.remat
     num_layers: int
     platform: str = "cpu"  # of the devices it is made for (`model.target_platform()` during the checks)
+    parts: Parts | None = None  # with a pipeline: what the model's parts read (traced once)
 
     @property
     def schedule(self) -> Schedule | None:
@@ -137,11 +139,16 @@ def _make_plan(config, num_devices, platform):
         par = Parallelism(tensor=sizes["tensor"], seq=sizes["seq"], expert=expert, attention_kind=attention.kind,
                           seq_layout=attention.seq_layout, ulysses=attention.ulysses,
                           mesh_shape=tuple(sizes.items()), rules=tuple(rules.items()), **kernels)
-    return _auto_layout(Plan(
+    plan = Plan(
         config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls, model_config=model_config,
         graphdef=graphdef, abstract_params=abstract_params, logical=logical, parallelism=par, train=train,
         optim=optimizer, pipeline=pipeline, diloco=diloco, attention=attention, remat=str(m.remat),
-        num_layers=int(m.num_layers), platform=platform))
+        num_layers=int(m.num_layers), platform=platform)
+    if pipeline.schedule is None:
+        return plan
+    parts = Parts.make(plan)  # what the model's parts read, traced once: the pipeline's checks and layout
+    pipeline_settings.check_parts(pipeline, parts, logical)
+    return _auto_layout(dataclasses.replace(plan, parts=parts))
 
 
 def _auto_layout(plan):
@@ -151,8 +158,7 @@ def _auto_layout(plan):
     if not plan.pipeline.auto_layout:
         return plan
     from parallax.pipeline.simulate import best_layout
-    from parallax.pipeline.work import part_flops
-    flops = part_flops(plan)
+    flops = plan.parts.flops(plan.remat)
     layers = best_layout(plan.schedule, plan.num_layers, flops["layer"], flops["embed"], flops["loss"],
                          plan.pipeline.vocab_parallel)
     pipeline = dataclasses.replace(plan.pipeline, schedule=plan.schedule.with_layers(layers))

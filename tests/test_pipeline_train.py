@@ -1,10 +1,13 @@
 """The pipelined Llama (every schedule, pipe in {2, 4}, with data / FSDP) equals the 1-device model."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
-from helpers import assert_parity, loss_grads_and_steps, set_rule, tiny_config
+from helpers import ROOT, assert_parity, loss_grads_and_steps, set_rule, tiny_config
+from parallax.defaults import load_config_file
 from parallax.errors import ConfigError
 from parallax.plan import abstract_batch, make_plan
 from parallax.trainer import Trainer
@@ -172,14 +175,13 @@ def test_rank_balance_counts_every_layer_once_and_auto_evens_the_flops():
     parameters over ranks = the model's; here `auto` (the shortest simulated step) gives the head's rank fewer
     layers, and a smaller spread of FLOPs."""
     from parallax.steps.pipeline import rank_balance
-    from parallax.pipeline.work import part_flops
     ratios = {}
     for layout in ("even", "auto"):
         config = _config("1f1b", pipe=4, data=2)
         config.model.update(num_layers=8, vocab_size=2048)  # a head of about 1.4 layers' FLOPs
         config.pipeline.layout = layout
         plan = make_plan(config, 8)
-        rows, flops = rank_balance(plan), part_flops(plan)
+        rows, flops = rank_balance(plan), plan.parts.flops(plan.remat)
         total = 3 * config.train.global_batch_size * (8 * flops["layer"] + flops["embed"] + flops["loss"])
         assert abs(sum(r["flops"] for r in rows) / total - 1) < 1e-9
         size = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(plan.abstract_params))
@@ -251,3 +253,14 @@ def test_zero_bubble_schedules_do_the_matmul_work_of_1f1b_on_llama(mesh):
     for schedule in ("zb_h1", "zbv"):
         assert abs(flops[schedule]["total"] / flops["1f1b"]["total"] - 1) <= 0.05, flops
         assert flops[schedule]["W"] > 0 and flops[schedule]["B"] > 0
+
+
+def test_vocab_parallel_refusal_names_every_obstacle_of_the_model_at_plan_time():
+    """GPT-2 ties its head to its embedding and adds a table of positions: the plan (not the step path, after
+    compiling began) refuses `pipeline.vocab_parallel` naming both."""
+    config = load_config_file(os.path.join(ROOT, "configs", "gpt2_tiny.py"))
+    config.mesh.update(pipe=2, data=4)
+    config.pipeline.update(vocab_parallel=True, microbatches=2)
+    with pytest.raises(ConfigError, match=r"vocab_parallel=True: .*untied head; its embedding reads "
+                                          r"\['wpe'\] besides a lookup table .*set pipeline.vocab_parallel=False"):
+        make_plan(config, 8)

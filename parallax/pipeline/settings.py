@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from parallax.errors import ConfigError
 from parallax.pipeline.schedule import DEFAULT, KINDS, Schedule, ScheduleError, ScheduleKind, balanced_layers, make_schedule
 from parallax.pipeline.validate import validate
+from parallax.sharding import is_logical_names
 
 # The section `config.pipeline`.
 KEYS = dict(
@@ -114,6 +117,34 @@ def resolve(section, sizes: dict, *, num_layers: int, vocab_size: int, data_para
                 f"model.num_layers={num_layers}, e.g. '{_spread(num_layers, schedule.num_stages)}'")
         schedule = schedule.with_layers(counts)
     return PipelineSettings(kind=kind, schedule=schedule, **plain)
+
+
+def check_parts(settings: PipelineSettings, parts, logical) -> None:
+    """The pipeline settings against what the model's parts read (`parallax.pipeline.parts.Parts`, traced
+    by the plan; `logical`: the parameters' logical names): a steady schedule runs layers without aux
+    values; the vocabulary split over the pipe ranks needs an untied head and an embedding that is one
+    lookup table."""
+    if settings.steady and parts.stage_aux:
+        flushing = " or ".join(n for n, k in KINDS.items() if k.flushes)
+        raise ConfigError(f"config.pipeline.schedule={settings.name!r} does not run layers with aux values (this "
+                          f"model's MoE layers) yet; use pipeline.schedule={flushing}")
+    if not settings.vocab_parallel:
+        return
+    first, last = parts.first_keys, parts.last_keys
+    flat = jax.tree_util.tree_flatten_with_path({k: v for k, v in logical.items() if k != "blocks"},
+                                                is_leaf=is_logical_names)[0]
+    names = {jax.tree_util.keystr(p): tuple(n) for p, n in flat}
+    obstacles = []  # every one, so that one run names all a model would have to change
+    if first & last:
+        obstacles.append(f"its head shares parameters with its embedding ({', '.join(sorted(first & last))}): "
+                         f"it needs an untied head")
+    others = sorted(k for k in first if names[k][:1] != ("vocab",))
+    if others:
+        obstacles.append(f"its embedding reads {', '.join(others)} besides a lookup table over 'vocab': it needs an "
+                         f"embedding that is one lookup table")
+    if obstacles:
+        raise ConfigError(f"config.pipeline.vocab_parallel=True: the model cannot split its embedding and head over "
+                          f"the pipe ranks: {'; '.join(obstacles)}; set pipeline.vocab_parallel=False")
 
 
 def _spread(num_layers, num_stages) -> str:

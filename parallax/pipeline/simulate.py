@@ -72,7 +72,7 @@ def _cost_table(schedule: Schedule, costs) -> np.ndarray:
 
 def flop_costs(schedule: Schedule, num_layers: int, layer: float, embed: float = 0.0, loss: float = 0.0,
                spread_vocab: bool = False) -> dict:
-    """Per-stage action costs from counted forward FLOPs (`parallax.pipeline.work.part_flops`), as the
+    """Per-stage action costs from counted forward FLOPs (`parallax.pipeline.parts.Parts.flops`), as the
     executor runs the actions: F = the stage's layers (+ the embedding on stage 0; on the last stage the
     head and loss forward *and* backward, which its F runs to start the backward: 3 x `loss`), B = W = the
     layers' forward FLOPs each (input and weight gradients: one matmul each per forward matmul). With

@@ -7,14 +7,9 @@ scans multiplied by their length). `step_flops` weighs them by how often the sch
 This is what a split backward costs, measured instead of assumed: for zb_h1 / zbv to do 1F1B's work,
 B + W must cost one fused BW.
 """
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from parallax import model as model_lib
 from parallax.compat import dce_jaxpr
-from parallax.parallel.manual import DENSE
 from parallax.pipeline.program import Field, Op
 
 BRANCH_NAMES = {Op.IDLE: "idle", Op.F: "F", Op.F_FIRST: "F_first", Op.F_LAST: "F_last", Op.B: "B",
@@ -114,23 +109,3 @@ def messages_moved(prog) -> dict:
         needed += int((up >= 0).sum() + (down >= 0).sum())
     return {"every_tick": prog.num_ticks * (len(prog.up_perm) + len(prog.down_perm)) * len(lanes), "sent": sent,
             "needed": needed}
-
-
-def part_flops(plan) -> dict:
-    """Forward matmul FLOPs of one sequence (`dot_flops` of the dense code's jaxpr) through
-    the embedding, one layer, and the head and loss: what `pipeline.layout='auto'` balances."""
-    rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
-    blocks = plan.abstract_params["blocks"]
-    graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
-    mb = jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), plan.abstract_batch())  # one row
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)  # one layer
-
-    def model(p):
-        return nnx.merge(plan.graphdef, {**p, "blocks": blocks})
-    x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
-
-    def count(fn, *args):
-        return float(dot_flops(jax.make_jaxpr(fn)(*args).jaxpr))
-    return {"embed": count(lambda p: model(p).embed(mb, DENSE), rest),
-            "layer": count(lambda w, x: model_lib.apply_layer_aux(graphdef, w, x, mb, plan.remat, DENSE), one, x),
-            "loss": count(lambda p, x: model(p).loss(x, mb, DENSE), rest, x)}

@@ -5,7 +5,7 @@ reads (found by tracing each once: a tied embedding is in both); the stacked blo
 its `[p, v, L/(p*v), ...]` layout. Layers with aux values add their aux loss to the loss in each chunk's
 forward, and their stats come back per stage. Eval runs the executor's F ticks only (`pipeline_loss`), so
 it works on every mesh training works on. What the model's parts read is decided once, here, by abstract
-traces of the single-device code (`_Tracing`); a model must read the same batch keys and parameters in
+traces of the single-device code (`parallax.pipeline.parts.Parts`, made by the plan); a model must read the same batch keys and parameters in
 every layout.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 from parallax import model as model_lib
 from parallax import sharding
-from parallax.compat import dce_jaxpr
-from parallax.errors import ConfigError
 from parallax.parallel.manual import DENSE, WEIGHT_AXES
 from parallax.parallel.region import SINGLE, Region
 from parallax.steps.base import StepPath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import from_pipeline_layout, to_pipeline_layout
-from parallax.pipeline.work import part_flops
+from parallax.pipeline.parts import leaves_live, paths
 
 
 class PipelinePath(StepPath):
@@ -52,14 +49,9 @@ class PipelinePath(StepPath):
     def __init__(self, plan, mesh):
         super().__init__(plan, mesh)
         self.schedule = plan.schedule  # what `sum` and `sum_and_grads` run: a flushing schedule
-        t = self.tracing = _Tracing.make(plan)
+        t = self.tracing = plan.parts  # what the model's parts read, traced once by the plan (`Parts`)
         # The non-block parameter leaves (flat paths) `embed` reads, and those `loss` reads.
-        self.first_keys = _leaves_read(lambda p: t.model(p).embed(t.mb, DENSE), t.rest)
-        self.last_keys = _leaves_read(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest)
-        # Whether the blocks' layers return aux values (traced once, abstractly, on one layer).
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), t.blocks)
-        self.stage_aux = bool(jax.eval_shape(
-            lambda c, x: model_lib.apply_blocks_aux(t.graphdef, c, x, t.mb)[1], one, t.x))
+        self.first_keys, self.last_keys, self.stage_aux = t.first_keys, t.last_keys, t.stage_aux
         self.routed = self._find_routed() if (
             not plan.parallelism.reordered
             and plan.train.seq_len % (plan.sizes["seq"] * plan.sizes["pipe"]) == 0) else {}
@@ -68,17 +60,7 @@ class PipelinePath(StepPath):
         self.vocab_parallel = plan.pipeline.vocab_parallel
         rest_logical = {k: v for k, v in plan.logical.items() if k != "blocks"}
         rest_specs = self.outer_par.param_specs(rest_logical)
-        if self.vocab_parallel:
-            if self.first_keys & self.last_keys:
-                raise ConfigError(f"config.pipeline.vocab_parallel=True: the model's head shares parameters with "
-                                  f"its embedding ({', '.join(sorted(self.first_keys & self.last_keys))}); it "
-                                  f"needs an untied head; set pipeline.vocab_parallel=False")
-            tables = [k for k in self.first_keys if _leaf_names(rest_logical, k)[:1] == ("vocab",)]
-            if sorted(tables) != sorted(self.first_keys):
-                raise ConfigError(f"config.pipeline.vocab_parallel=True: the model's embedding reads "
-                                  f"{', '.join(sorted(self.first_keys))}; splitting it over the pipe ranks needs "
-                                  f"an embedding that is one lookup table (first logical name 'vocab'); set "
-                                  f"pipeline.vocab_parallel=False")
+        if self.vocab_parallel:  # its conditions on the model: `pipeline.settings.check_parts`
             # The embedding and the head split along the vocabulary over pipe (x tensor), pipe-major.
             rest_specs = jax.tree.map(_vocab_over_pipe, rest_specs, rest_logical, is_leaf=lambda x: isinstance(x, P))
             self.routed = {}  # every rank reads the tokens and the targets
@@ -110,13 +92,12 @@ class PipelinePath(StepPath):
         t = self.tracing
 
         def keys(fn, params):  # the batch keys fn(params, mb)'s value depends on
-            read = _leaves_live(lambda a: fn(a["p"], a["mb"]), {"p": params, "mb": t.mb})
+            read = leaves_live(lambda a: fn(a["p"], a["mb"]), {"p": params, "mb": t.mb})
             return {k for k in t.mb if f"['mb']['{k}']" in read}
         first = keys(lambda p, b: t.model(p).embed(b, DENSE), t.rest)
         last = keys(lambda p, b: t.model(p).loss(t.x0(), b, DENSE), t.rest)
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t.blocks)  # one layer
         layers = keys(lambda p, b: model_lib.apply_layer_aux(t.graphdef, p, t.x0(), b, self.plan.remat, DENSE),
-                      one)  # its aux values count too
+                      t.one_layer())  # its aux values count too
         return {**{k: "first" for k in first - last - layers}, **{k: "last" for k in last - first - layers}}
 
     def _stage_parallelism(self):
@@ -209,12 +190,6 @@ class PipelinePath(StepPath):
         return out[0], self.unstage(params, out[1], schedule, region), aux
 
 
-def _leaf_names(logical, path: str) -> tuple:
-    """The logical names of the leaf at flat `path` (as `_paths` spells it) of a tree of logical names."""
-    flat = jax.tree_util.tree_flatten_with_path(logical, is_leaf=sharding.is_logical_names)[0]
-    return next(tuple(names) for p, names in flat if jax.tree_util.keystr(p) == path)
-
-
 def _vocab_over_pipe(spec: P, names) -> P:
     """A `last` weight's spec with its vocabulary dim split over `pipe` as well, pipe-major (vocab_parallel)."""
     if not names or "vocab" not in names:
@@ -231,18 +206,17 @@ def rank_balance(plan) -> list:
     (global stage ids), `layers` (real ones), `params` (parameters its stages read: their layers, the
     embedding on stage 0's rank, the head on the last stage's; whole, before FSDP / tensor splits) and
     `flops` (matmul FLOPs of a training step over the global batch: forward + backward = 3 x the counted
-    forward of `part_flops`, no recomputation counted). With `pipeline.vocab_parallel` the embedding, the
+    forward of `Parts.flops`, no recomputation counted). With `pipeline.vocab_parallel` the embedding, the
     head and the loss are split evenly over the ranks. What balanced layouts are judged by (docs/pipeline.md)."""
     import math
-    schedule, t = plan.schedule, _Tracing.make(plan)
-    flops, n = part_flops(plan), plan.num_layers
+    schedule, t = plan.schedule, plan.parts
+    flops, n = t.flops(plan.remat), plan.num_layers
     counts = schedule.stage_layers(n)
     per_layer = sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(t.blocks))
 
     def size(keys):
-        return sum(math.prod(a.shape) for path, a in zip(_paths(t.rest), jax.tree.leaves(t.rest)) if path in keys)
-    first = size(_leaves_read(lambda p: t.model(p).embed(t.mb, DENSE), t.rest))
-    last = size(_leaves_read(lambda p: t.model(p).loss(t.x0(), t.mb, DENSE), t.rest))
+        return sum(math.prod(a.shape) for path, a in zip(paths(t.rest), jax.tree.leaves(t.rest)) if path in keys)
+    first, last = size(t.first_keys), size(t.last_keys)
     sequences = 3 * plan.train.global_batch_size
     rows, spread = [], plan.pipeline.vocab_parallel
     for r in range(schedule.num_ranks):
@@ -273,61 +247,11 @@ def balance_table(rows, peak=None) -> str:
     return "\n".join(lines)
 
 
-class _Tracing(NamedTuple):
-    """A zero-row microbatch, the non-block parameters, the stacked blocks (all abstract), the blocks'
-    graphdef, `model(rest)`: the model on those, and `x`: the residual stream's shape after `embed`."""
-    mb: dict
-    rest: dict
-    blocks: dict
-    graphdef: object
-    model: Callable
-    x: jax.ShapeDtypeStruct
-
-    @classmethod
-    def make(cls, plan) -> "_Tracing":
-        rest = {k: v for k, v in plan.abstract_params.items() if k != "blocks"}
-        blocks = plan.abstract_params["blocks"]
-        graphdef = nnx.split(nnx.merge(plan.graphdef, plan.abstract_params).blocks)[0]
-        # A one-row batch of zeros shaped like the training batch (to trace what a stage reads).
-        mb = jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), plan.abstract_batch())
-
-        def model(p):
-            return nnx.merge(plan.graphdef, {**p, "blocks": blocks})
-        x = jax.eval_shape(lambda p: model(p).embed(mb, DENSE), rest)
-        return cls(mb, rest, blocks, graphdef, model, x)
-
-    def x0(self):
-        return jnp.zeros(self.x.shape, self.x.dtype)
-
-
-def _paths(tree) -> list:
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _leaves_read(fn, tree) -> frozenset:
-    """Paths of the leaves of `tree` that `fn(tree)` reads: the inputs of its jaxpr that any equation or
-    output uses (traced with the dense code; a model reads the same parameters under every layout)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
-    used = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars} | {id(v) for v in closed.jaxpr.outvars}
-    return frozenset(path for path, var in zip(_paths(tree), closed.jaxpr.invars) if id(var) in used)
-
-
-def _leaves_live(fn, tree) -> frozenset:
-    """Paths of the leaves of `tree` that `fn(tree)`'s value depends on: `_leaves_read` after dead-code
-    elimination, so that an input only reshaped or padded along the way (the chunked loss splits every
-    batch key into chunks, and reads only some) does not count."""
-    leaves, treedef = jax.tree.flatten(tree)
-    closed = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves)
-    _, live = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-    return frozenset(path for path, used in zip(_paths(tree), live) if used)
-
-
 def _subtree(tree, keep: frozenset):
     """`tree` with the leaves at paths outside `keep` replaced by None (no leaf: the executor holds nothing
     for them; `functions().model` fills abstract placeholders where the stage function merges the model)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, [x if path in keep else None for path, x in zip(_paths(tree), leaves)])
+    return jax.tree.unflatten(treedef, [x if path in keep else None for path, x in zip(paths(tree), leaves)])
 
 
 def _combine(rest, first, last):

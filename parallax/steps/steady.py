@@ -26,7 +26,7 @@ from parallax.errors import ConfigError
 from parallax.steps.pipeline import PipelinePath
 from parallax.pipeline import executor
 from parallax.pipeline.layout import manual_axes
-from parallax.pipeline.schedule import KINDS, make_schedule, names
+from parallax.pipeline.schedule import KINDS, make_schedule
 
 # What a steady checkpoint's in-flight microbatches are laid out for, besides the mesh and the pipeline:
 # the layers' residuals.
@@ -48,9 +48,6 @@ class SteadyPipelinePath(PipelinePath):
         self.steady = plan.schedule
         self.schedule = make_schedule(KINDS[self.steady.name].flushing_twin, plan.schedule.num_ranks,
                                       plan.schedule.num_microbatches)
-        if self.stage_aux:
-            raise ConfigError(f"config.pipeline.schedule={self.steady.name!r} does not run layers with aux values "
-                              f"(this model's MoE layers) yet; use pipeline.schedule={' or '.join(names(steady=False))}")
         # The mesh axes the in-flight leaves are split over (their leading dim): the executor's manual axes.
         self.inflight_axes = None if mesh is None else manual_axes(mesh, plan.batch_axes, self.param_specs,
                                                                    self.input_spec)
