@@ -46,6 +46,9 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
     par.attention(q, k, v, segment_ids, positions)            dense, Ulysses, ring or all-gather attention
     par.cross_entropy(logits, batch)  (vocabulary-parallel) weighted cross-entropy sum
     par.chunked(fn, x, batch)         a per-token sum over sequence chunks, each recomputed in the backward
+    par.experts(h, idx, gates, ws, names, dispatch)   a MoE layer's routed SwiGLU experts: the library's
+                                      dispatch (capacity / dropless, over `expert`, rows over `seq`)
+    par.sum_row(tree), par.row_length(local)   per-row sums and lengths of rows split over `seq`
     par.tensor, par.seq, par.expert   the axis sizes
 
 `sharding.constrain(x, names)` annotates activations for the compiler (a no-op inside the manual region).
