@@ -446,13 +446,12 @@ def resolve(section, stale_gradients: bool = False) -> OptimSettings:
                           f"> 1, whose gradients are one step stale) or optim.delay_correction=none")
     if not 0 < float(o.wsd_decay_fraction) <= 1:
         raise ConfigError(f"config.optim.wsd_decay_fraction={o.wsd_decay_fraction}: expected a fraction in (0, 1]")
-    for cls in OPTIMIZERS.values():  # every optimizer's keys are checked, whichever is named
-        cls.resolve(o)
+    methods = {name: cls.resolve(o) for name, cls in OPTIMIZERS.items()}  # every optimizer's keys are checked
     if o.lr < 0 or o.warmup_steps < 0 or o.decay_steps < 0 or o.weight_decay < 0 or o.clip_norm < 0:
         raise ConfigError(f"config.optim: lr={o.lr}, warmup_steps={o.warmup_steps}, decay_steps={o.decay_steps}, "
                           f"weight_decay={o.weight_decay}, clip_norm={o.clip_norm} must all be >= 0")
     return OptimSettings(
-        name=str(o.name), method=OPTIMIZERS[o.name].resolve(o), lr=float(o.lr), warmup_steps=int(o.warmup_steps),
+        name=str(o.name), method=methods[o.name], lr=float(o.lr), warmup_steps=int(o.warmup_steps),
         weight_decay=float(o.weight_decay), clip_norm=float(o.clip_norm), min_lr_ratio=float(o.min_lr_ratio),
         decay_steps=int(o.decay_steps), schedule=str(o.schedule), wsd_decay_fraction=float(o.wsd_decay_fraction),
         grad_delay=int(o.grad_delay), error_feedback=o.delay_correction == "error_feedback",

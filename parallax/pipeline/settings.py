@@ -12,7 +12,7 @@ import dataclasses
 import jax
 
 from parallax.errors import ConfigError
-from parallax.pipeline.schedule import DEFAULT, KINDS, Schedule, ScheduleError, ScheduleKind, balanced_layers, make_schedule
+from parallax.pipeline.schedule import DEFAULT, KINDS, Schedule, ScheduleError, balanced_layers, make_schedule
 from parallax.pipeline.validate import validate
 from parallax.sharding import is_logical_names
 
@@ -31,7 +31,6 @@ KEYS = dict(
 class PipelineSettings:
     """`config.pipeline` for a mesh of `pipe` ranks, typed (`resolve`). `schedule` is None without a pipeline."""
     name: str
-    kind: ScheduleKind | None  # the registry entry (None without a pipeline)
     schedule: Schedule | None  # the validated schedule, with its layer layout when one was given
     microbatches: int
     virtual_stages: int
@@ -65,7 +64,7 @@ def resolve(section, sizes: dict, *, num_layers: int, vocab_size: int, data_para
     plain = dict(name=str(pc.schedule), microbatches=int(pc.microbatches), virtual_stages=int(pc.virtual_stages),
                  remat=bool(pc.remat), layout=str(pc.layout).replace(" ", ""), vocab_parallel=bool(pc.vocab_parallel))
     if p == 1:
-        return PipelineSettings(kind=kind, schedule=None, **{**plain, "vocab_parallel": False})
+        return PipelineSettings(schedule=None, **{**plain, "vocab_parallel": False})
     if replicas > 1 and kind is not None and kind.steady:
         flushing = ", ".join(n for n, k in KINDS.items() if k.flushes)
         raise ConfigError(f"config.mesh.replica={replicas} with pipeline.schedule={pc.schedule!r}: DiLoCo replicas run "
@@ -116,7 +115,7 @@ def resolve(section, sizes: dict, *, num_layers: int, vocab_size: int, data_para
                 f"0, one per stage in stage order (mesh.pipe={p} x {schedule.num_chunks} chunks per rank), summing to "
                 f"model.num_layers={num_layers}, e.g. '{_spread(num_layers, schedule.num_stages)}'")
         schedule = schedule.with_layers(counts)
-    return PipelineSettings(kind=kind, schedule=schedule, **plain)
+    return PipelineSettings(schedule=schedule, **plain)
 
 
 def check_parts(settings: PipelineSettings, parts, logical) -> None:
