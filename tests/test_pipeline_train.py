@@ -52,14 +52,51 @@ def test_dualpipev_matches_single_device(reference, pipe):
     assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference, TOL)
 
 
+# (schedule, pipeline.remat, model.remat). pipeline.remat: a checkpointed layer scan inside the stages
+# (each slot keeps the chunk's input). Without it each slot keeps every layer's residuals: with 'offload'
+# those are the layer inputs in host memory (typed so: the slot ring, the idle branch's zeros), on XLA:CPU
+# the same memory, so the numbers must not change; DualPipeV also overlaps a forward with a backward.
+REMAT_CASES = [("1f1b", True, "offload"), ("zbv", True, "full"), ("dualpipev", False, "offload")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_pipeline_with_fsdp_and_remat_matches_single_device(reference, schedule):
-    config = _config(schedule, remat=True, data=2, fsdp=2, pipe=2)
-    # A checkpointed layer scan inside the stages; 'offload' is 'full' with each layer's input named for host
-    # memory (on XLA:CPU the same memory: the numbers must not change).
-    config.model.remat = "full" if schedule == "zbv" else "offload"
+@pytest.mark.parametrize("schedule,stage_remat,remat", REMAT_CASES, ids=["-".join(map(str, c)) for c in REMAT_CASES])
+def test_pipeline_with_fsdp_and_remat_matches_single_device(reference, schedule, stage_remat, remat):
+    config = _config(schedule, remat=stage_remat, data=2, fsdp=2, pipe=2)
+    config.model.remat = remat
+    if schedule == "dualpipev":
+        config.pipeline.microbatches = 4
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps=5), reference, TOL)
+
+
+@pytest.mark.parametrize("stage_remat", [False, True])
+def test_offloaded_layer_inputs_are_host_memory_in_the_pipelined_step(stage_remat):
+    """model.remat='offload' is a memory-only feature, invisible on XLA:CPU (its host memory is the device's;
+    the lowered program carries no placement): the step's jaxpr is where the suite sees it. Every layer
+    input saved for the backward is typed host memory: in the pipeline's slot ring (a buffer of
+    microbatch x seq x d_model arrays over the slots and the chunk's layers) without pipeline.remat, in the
+    stage's own layer scan with it; nothing in host memory with remat='full'."""
+    import re
+
+    from parallax.plan import abstract_batch
+
+    def host_arrays(remat):
+        config = _config("1f1b", remat=stage_remat, data=2, fsdp=2, pipe=2)
+        config.model.remat = remat
+        trainer = Trainer(config, devices=jax.devices())
+        batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
+                 for k, a in abstract_batch(config).items()}
+        text = str(jax.make_jaxpr(trainer.loss_and_grads)(trainer.abstract_params, batch))
+        return {tuple(map(int, s.split(","))) for s in re.findall(r"f32<host>\[([\d,]+)\]", text)}, config
+
+    assert host_arrays("full")[0] == set()
+    shapes, config = host_arrays("offload")
+    rows = config.train.global_batch_size // config.pipeline.microbatches // 4  # a microbatch's rows per rank
+    layer_input = (rows, config.train.seq_len, config.model.d_model)
+    layers = LAYERS // 2  # per stage
+    assert layer_input in {s[-3:] for s in shapes}, shapes
+    ring = [s for s in shapes if len(s) == 5 and s[1:] == (layers, *layer_input)]
+    assert bool(ring) == (not stage_remat), shapes  # [slots, layers, ...]: the ring only without pipeline.remat
 
 
 # Tensor / sequence parallelism inside the stages: (schedule, mesh, attention, training steps checked).

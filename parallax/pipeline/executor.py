@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from parallax.parallel.tensor import reduction_dtype
 from parallax.compat import varying_axes as vma
 from parallax.parallel.region import SINGLE, Region, vary
-from parallax.pipeline.layout import Layout, zeros
+from parallax.pipeline.layout import Layout, to_memory_of, zeros
 from parallax.pipeline.program import Field, Op, Program, compile_schedule
 from parallax.pipeline.schedule import Schedule
 from parallax.pipeline.stage import Stage
@@ -533,7 +533,7 @@ class _Ticks:
         f32, stage = jnp.float32, self.stage
 
         def buffer(a, n):
-            return zeros(jax.ShapeDtypeStruct((n, *a.shape), a.dtype), axes=vma(a))
+            return to_memory_of(a, zeros(jax.ShapeDtypeStruct((n, *a.shape), a.dtype), axes=vma(a)))
         slots = tuple(buffer(a, prog.num_slots) for a in stage.slot_avals())
         inbox = buffer(self.x0, prog.inbox_size)
         if inflight is not None:  # typed as the empty pipeline's buffers

@@ -118,9 +118,16 @@ def place(tree, mesh, specs):
 
 
 def zeros(a, dtype=None, axes=None):
-    """Zeros like `a`, varying over `axes` (default: as `a` is)."""
+    """Zeros like `a`, varying over `axes` (default: as `a` is), in `a`'s memory (a host residual of
+    `model.remat=offload` stays in host memory: a switch's branches and a scan's carry must agree)."""
     axes = tuple(varying_axes(a)) if axes is None else axes
-    return vary(jnp.zeros(a.shape, dtype or a.dtype), axes)
+    return to_memory_of(a, vary(jnp.zeros(a.shape, dtype or a.dtype), axes))
+
+
+def to_memory_of(a, x):
+    """`x` moved to host memory if `a` (an array or an aval) lives there (`jax.memory.Space.Host`)."""
+    host = getattr(jax.typeof(a), "memory_space", None) == jax.memory.Space.Host
+    return jax.device_put(x, jax.memory.Space.Host) if host else x
 
 
 def axes_of(spec) -> set:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from parallax.compat import varying_axes as vma
 from parallax.parallel.region import vary
-from parallax.pipeline.layout import zeros
+from parallax.pipeline.layout import to_memory_of, zeros
 from parallax.pipeline.split import SplitBackward
 
 
@@ -59,7 +59,8 @@ class Stage:
     def stack_like(self, tree):
         """Zeros like `tree` (same types), stacked over the chunk's layers (unstacked for an opaque chunk)."""
         lead = (self.num_layers,) if self.layered else ()
-        return jax.tree.map(lambda a: zeros(jax.ShapeDtypeStruct(lead + a.shape, a.dtype), axes=vma(a)), tree)
+        return jax.tree.map(lambda a: to_memory_of(a, zeros(jax.ShapeDtypeStruct(lead + a.shape, a.dtype),
+                                                             axes=vma(a))), tree)
 
     def over_layers(self, fn, carry, xs, reverse=False, active=None):
         """`lax.scan(fn, carry, xs)` over the chunk's layers; one call of fn on the whole chunk when opaque.
