@@ -44,8 +44,8 @@ def delayed_references():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipe", [2, 4])
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer,pipe", [("adamw", 2), ("muon", 4)],  # each optimizer, each pipe size once
+                         ids=["adamw-2", "muon-4"])
 def test_2bw_trains_exactly_as_one_device_with_a_one_step_gradient_delay(delayed_references, optimizer, pipe):
     """Step t applies batch t-1's gradient at the weights of step t-1 and reports batch t-1's loss, so the
     2bw run's losses from its second step on are the delayed 1-device run's (fp32, 1e-5); its first
