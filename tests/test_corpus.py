@@ -269,10 +269,20 @@ def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_co
     assert tk.encode("alpha") == [258] and tk.decode(tk.encode(text)) == text
     assert (tk.bos_id, tk.eos_id, tk.vocab_size) == (259, 260, 259 + tok_lib.TIKTOKEN_SPECIALS)
     for i, tok in enumerate(loaded + [sp, tk]):
-        tok.copy_to(str(tmp_path / f"copy{i}"))
-        again = tok_lib.load(str(tmp_path / f"copy{i}"))
+        copy = str(tmp_path / f"copy{i}")
+        assert tok_lib.read_meta(copy) is None and not tok_lib.has_files(copy)  # nothing there yet
+        tok.copy_to(copy)
+        again = tok_lib.load(copy)
         assert (again.kind, again.hash, again.eos_id, again.encode(text)) == (tok.kind, tok.hash, tok.eos_id,
                                                                              tok.encode(text))
+        meta = tok_lib.read_meta(copy)
+        assert meta == json.loads(json.dumps(tok.meta())) and meta["hash"] == tok.hash
+        # a directory `load` reads as a model's tokenizer: the file kinds of HF, SentencePiece, tiktoken
+        assert tok_lib.has_files(copy) == (tok.kind != "bytes"), (tok.kind, os.listdir(copy))
+        # a stored document: [bos] (where the tokenizer adds one) + the text's ids + [eos]
+        ids = tok.encode("alpha beta")
+        head = [tok.bos_id] if tok.add_bos else []
+        assert tok.document("alpha beta") == head + ids + [tok.eos_id] and tok.prompt("alpha beta") == head + ids
     assert len({t.hash for t in loaded + [sp, tk]}) == 4
 
 

@@ -190,6 +190,46 @@ def test_outer_sync_moves_each_parameter_once_in_its_dtype(sync_trainers):
     assert ring / 4 <= sent["int8"] <= ring / 4 * 1.05
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_exchange_rounds_each_replicas_pseudo_gradient_as_numpy_does(sync_trainers, dtype):
+    """The exchange's values against numpy (replica 2 x data 2 x tensor 2, leaves split over tensor): each
+    replica's pseudo-gradient plus its carried error, rounded to bf16, or to int8 with an absmax scale of the
+    whole tensor (per layer of the stacked blocks; a shard's own maximum would be the easy bug), averaged
+    over the replicas; the new errors are what the rounding lost; the squared norm is the replicas' mean."""
+    import ml_dtypes
+
+    trainer = sync_trainers[dtype]
+    path, state = trainer.path, trainer.init_state()
+    glob, inner = jax.device_get(state["params"]), state["diloco"]
+    rng = np.random.default_rng(3)
+    # per leaf, replica and layer a different magnitude: the scales differ across all three
+    noise = lambda x: (rng.normal(size=x.shape) * np.exp(rng.normal(size=x.shape[:2] + (1,) * (x.ndim - 2))) * 1e-2
+                       ).astype(np.float32)
+    stacked = jax.tree.map(lambda g, a: (g[None] + noise(np.asarray(a))).astype(np.float32), glob,
+                           jax.device_get(inner["params"]))
+    error = jax.tree.map(lambda a: noise(np.asarray(a)) * 1e-2, jax.device_get(inner["error"]))
+    put = lambda tree, like: jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)
+    mean, new_error, square = jax.device_get(jax.jit(lambda g, s, e: path.mean_pseudo_grad(g, s, e, path.param_specs))(
+        state["params"], put(stacked, inner["params"]), put(error, inner["error"])))
+
+    def rounded(x, blocks):
+        if dtype == "bfloat16":
+            return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+        return _int8(x, blocks)
+    deltas = [{k: jax.tree.map(lambda g, p, e: g - p[r] + e[r], glob[k], stacked[k], error[k]) for k in glob}
+              for r in range(2)]
+    arrived = [{k: jax.tree.map(lambda x, k=k: rounded(x, k == "blocks"), v) for k, v in d.items()} for d in deltas]
+    for got, want in zip(jax.tree.leaves(mean), jax.tree.leaves(jax.tree.map(lambda a, b: (a + b) / 2, *arrived))):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)  # a few fp32 ulps of 0.03 (the sum cancels)
+    for r in range(2):
+        lost = jax.tree.map(np.subtract, deltas[r], arrived[r])
+        for got, want in zip(jax.tree.leaves(jax.tree.map(lambda e: e[r], new_error)), jax.tree.leaves(lost)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+    want_square = np.mean([sum(float(np.sum(np.square(x, dtype=np.float64))) for x in jax.tree.leaves(d))
+                           for d in deltas])
+    np.testing.assert_allclose(float(square), want_square, rtol=1e-5)
+
+
 def _fragment(tree, f, fragments, layers=2):
     """Fragment f of a params tree (numpy): its layers of `blocks`, and for f = 0 everything else."""
     lo, hi = f * layers // fragments, (f + 1) * layers // fragments

@@ -104,6 +104,46 @@ def test_sampling_options_and_eos(llama):
     assert len(stopped[0]) == 2
 
 
+def _sampling_reference(logits, temperature, top_k, top_p):
+    """Per row, the distribution `sample_logits` must draw from, by hand in float64: softmax at the
+    temperature over the top_k largest logits (all tied with the k-th kept), then, in order of probability,
+    each token whose higher-ranked tokens hold less than top_p of that softmax."""
+    out = np.zeros_like(logits, np.float64)
+    for row, z in enumerate(np.asarray(logits, np.float64) / temperature):
+        keep = z >= np.sort(z)[::-1][top_k - 1] if top_k else np.ones(z.shape, bool)
+        p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+        p /= p.sum()
+        ranked, mass = np.argsort(-p, kind="stable"), 0.0
+        for t in ranked:
+            if mass >= top_p:
+                p[t] = 0.0
+            mass += p[t] if p[t] else 0.0
+        out[row] = p / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.5, 4, 1.0), (0.8, 0, 0.6), (1.3, 5, 0.7),
+                                                     (0.5, 3, 0.9)])
+def test_sampling_draws_from_the_tempered_top_k_top_p_distribution(temperature, top_k, top_p):
+    """Temperature, top-k and top-p together: 40,000 draws per row land only on the tokens the by-hand
+    distribution allows, each as often as it says (within 5 standard errors)."""
+    from parallax.generate import sample_logits
+
+    rng = np.random.default_rng(int(temperature * 10) + 100 * top_k)
+    logits = (rng.normal(size=(3, 10)) * 2).astype(np.float32)
+    want = _sampling_reference(logits, temperature, top_k, top_p)
+    draws = 40_000
+    keys = jax.random.split(jax.random.key(0), draws)
+    tokens = np.asarray(jax.jit(jax.vmap(lambda k: sample_logits(logits, k, temperature, top_k, top_p)))(keys))
+    for row in range(logits.shape[0]):
+        freq = np.bincount(tokens[:, row], minlength=logits.shape[1]) / draws
+        assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want[row])), (row, freq, want[row])
+        err = np.abs(freq - want[row]) / np.sqrt(want[row] * (1 - want[row]) / draws + 1e-12)
+        assert err.max() < 5, (row, freq.round(4), want[row].round(4))
+    if top_k or top_p < 1:  # the options cut something
+        assert (want == 0).any()
+
+
 def test_bad_inputs_are_one_line_errors(llama):
     trainer, params = llama
     seq = trainer.config.train.seq_len

@@ -288,3 +288,68 @@ def test_dist_config_keys_are_the_ones_the_plumbing_test_generates():
 
     assert set(default_config("llama").dist) == {"coordinator", "num_processes", "process_id", "detect",
                                                  "heartbeat_timeout_s", "init_timeout_s"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sequence layouts: the balanced deal, its work count and usp's default degree, against by-hand loops
+
+@st.composite
+def _packed_rows(draw):
+    """(segment_ids, positions) [2, 32] int32 of random documents, rows that may start mid-document, padding
+    (segment 0, position 0) at a row's end."""
+    seg, pos = np.zeros((2, 32), np.int32), np.zeros((2, 32), np.int32)
+    for r in range(2):
+        t, doc, p = 0, 1, draw(st.integers(0, 20))
+        end = 32 - draw(st.integers(0, 8))
+        while t < end:
+            n = min(draw(st.integers(1, 20)), end - t)
+            seg[r, t:t + n], pos[r, t:t + n] = doc, np.arange(p, p + n)
+            t, doc, p = t + n, doc + 1, 0
+    return seg, pos
+
+
+def _deal_by_hand(work, s):
+    """Pieces dealt heaviest first (ties: the earlier piece first) in a snake over s ranks -> each rank's
+    pieces in row order."""
+    ranked = sorted(range(len(work)), key=lambda i: (-work[i], i))
+    ranks = [[] for _ in range(s)]
+    for i, piece in enumerate(ranked):
+        lap, k = divmod(i, s)
+        ranks[k if lap % 2 == 0 else s - 1 - k].append(piece)
+    return [sorted(r) for r in ranks]
+
+
+@FEW
+@given(_packed_rows(), st.sampled_from([(2, 2), (2, 4), (4, 2), (4, 4), (8, 2)]))
+def test_balanced_order_deals_pieces_as_a_by_hand_snake_and_attention_work_sums_them(rows, s_chunks):
+    seg, pos = rows
+    s, chunks = s_chunks
+    n = s * chunks
+    c = 32 // n
+    order = np.asarray(sequence.balanced_order(jnp.asarray(seg), jnp.asarray(pos), s, chunks))
+    for r in range(2):
+        assert sorted(order[r].tolist()) == list(range(32))  # a permutation of the row
+        token_work = [(p + 1) if g > 0 else 0 for g, p in zip(seg[r], pos[r])]
+        work = [sum(token_work[i * c:(i + 1) * c]) for i in range(n)]
+        want = [t for rank in _deal_by_hand(work, s) for piece in rank for t in range(piece * c, (piece + 1) * c)]
+        assert order[r].tolist() == want, (r, work)
+    per_rank = [sum((p + 1) if g > 0 else 0 for row in range(2) for g, p in
+                    zip(seg[row][order[row][k * 32 // s:(k + 1) * 32 // s]],
+                        pos[row][order[row][k * 32 // s:(k + 1) * 32 // s]])) for k in range(s)]
+    np.testing.assert_array_equal(sequence.attention_work(seg, pos, order, s), per_rank)
+
+
+def test_balanced_chunks_are_one_tile_each_where_tiles_divide_twice_else_two():
+    for local_len in range(1, 65):
+        for block in (0, 1, 4, 8, 16, 32, 64, 128):
+            tiles = local_len // block if block else 0
+            want = tiles if block and local_len % block == 0 and tiles >= 2 else 2
+            assert sequence.balanced_chunks(local_len, block) == want, (local_len, block)
+
+
+def test_usp_degree_is_the_largest_proper_divisor_the_heads_allow():
+    for s in range(1, 17):
+        for heads in (1, 2, 3, 4, 6, 8, 12, 16):
+            for kv in (k for k in (1, 2, 3, 4, 8, 16) if heads % k == 0):
+                fits = [u for u in range(2, s) if s % u == 0 and heads % u == 0 and (kv % u == 0 or u % kv == 0)]
+                assert sequence.usp_degree(s, heads, kv) == max(fits, default=1), (s, heads, kv)
