@@ -29,13 +29,16 @@ import os
 
 import numpy as np
 
+from parallax.errors import ConfigError
+
 FORMAT = "parallax-shards/1"
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
-class ShardError(ValueError):
-    """A shard directory that cannot be read as one; the message names the file and the fix."""
+class ShardError(ConfigError):
+    """A shard directory that cannot be read as one; the message names the file and the fix (one line: the
+    launchers exit 2 with it, also when a damaged window is found while training)."""
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -125,6 +128,7 @@ class Shard:
     def __init__(self, directory: str, entry: dict, dtype: str):
         self.directory, self.name, self.dtype = directory, entry["name"], dtype
         self.source, self.n_tokens, self.n_docs = entry.get("source", ""), entry["tokens"], entry["documents"]
+        self.lowest, self.highest = int(entry.get("lowest", 0)), int(entry.get("highest", np.iinfo(DTYPES[dtype]).max))
         self.path = os.path.join(directory, token_file(self.name, dtype))
 
     def check(self) -> None:
@@ -137,6 +141,21 @@ class Shard:
         if size != self.n_tokens * DTYPES[self.dtype].itemsize:
             raise ShardError(f"shard {self.path!r} holds {size} bytes, but the manifest says {self.n_tokens} "
                              f"{self.dtype} tokens; the file was changed or truncated: prepare the directory again")
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of the shard, checked against the id range its manifest records: bytes changed after
+        the shard was written (same size, so `check` passes) show as ids outside it, and are refused here,
+        before they reach the model (a min and a max over the window: nothing next to reading it)."""
+        piece = np.asarray(self.tokens[a:b])
+        if piece.size:
+            lo, hi = int(piece.min()), int(piece.max())
+            if lo < self.lowest or hi > self.highest:
+                bad = hi if hi > self.highest else lo
+                at = a + int(np.argmax(piece == bad))
+                raise ShardError(f"shard {self.path!r} holds id {bad} at token {at}, outside the ids "
+                                 f"[{self.lowest}, {self.highest}] its manifest records: the file was changed after "
+                                 "it was written; prepare the directory again with launch/prepare_data.py")
+        return piece
 
     @functools.cached_property
     def tokens(self) -> np.ndarray:
@@ -202,7 +221,7 @@ class ShardStream:
             shard, base = self.shards[k], int(self.bounds[k])
             a, b = g0 - base, min(g1, int(self.bounds[k + 1])) - base
             if b > a:
-                pieces.append(np.asarray(shard.tokens[a:b]))
+                pieces.append(shard.read(a, b))
                 s = shard.starts
                 i0, i1 = np.searchsorted(s, [a, b], side="left")
                 inner = np.asarray(s[i0:i1], np.int64) + base - (self.lo + offset)

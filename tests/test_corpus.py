@@ -5,6 +5,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -237,6 +238,20 @@ def test_bad_corpora_and_mixtures_are_one_line_errors_before_anything_is_written
         data_lib.make_dataset("tokens", good, **{**kw, "vocab_size": 300})
     manifest = shard_lib.read_manifest(good)
     first = os.path.join(good, shard_lib.token_file(manifest["shards"][0]["name"], "uint16"))
+    # Bytes changed in place (the size the manifest says): the directory opens (a stat per shard), and the
+    # first read of a window holding a changed id names the file and the token.
+    shards = [shard_lib.Shard(good, e, manifest["dtype"]) for e in manifest["shards"]]
+    whole = shard_lib.ShardStream(shards)
+    clean, _ = whole.window(0, len(whole))
+    np.testing.assert_array_equal(clean, np.concatenate([np.fromfile(s.path, "<u2") for s in shards]))
+    with open(first, "r+b") as f:
+        f.seek(2 * 5)
+        f.write(np.array([manifest["shards"][0]["highest"] + 1], "<u2").tobytes())
+    data_lib.make_dataset("tokens", good, **kw)
+    fresh = shard_lib.ShardStream([shard_lib.Shard(good, e, manifest["dtype"]) for e in manifest["shards"]])
+    fresh.window(6, 100)  # the windows without it read
+    with pytest.raises(ConfigError, match=f"shard '{re.escape(first)}' holds id .* at token 5, outside the ids"):
+        fresh.window(0, 100)
     with open(first, "r+b") as f:
         f.truncate(10)
     with pytest.raises(data_lib.DataError, match="holds 10 bytes, but the manifest says .* truncated"):
@@ -284,6 +299,32 @@ def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_co
         head = [tok.bos_id] if tok.add_bos else []
         assert tok.document("alpha beta") == head + ids + [tok.eos_id] and tok.prompt("alpha beta") == head + ids
     assert len({t.hash for t in loaded + [sp, tk]}) == 4
+
+
+def test_a_shard_damaged_in_place_stops_training_before_its_batch_reaches_the_model(tmp_path):
+    """A shard whose bytes changed after it was written (same size: every stat agrees with the manifest)
+    trained on: the read of the first batch refuses it with one line naming the file (a ConfigError: exit
+    status 2 from launch/train.py), before step 1 runs or logs."""
+    from parallax.train import train_and_evaluate
+
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i}: " + "abc" * 20}) + "\n"
+                                                  for i in range(80)))
+    prep.prepare([f"{tmp_path}/notes.jsonl"], str(tmp_path / "shards"), "bytes", progress=False, log=lambda *_: None)
+    manifest = shard_lib.read_manifest(str(tmp_path / "shards"))
+    assert len(manifest["shards"]) == 1
+    path = os.path.join(tmp_path, "shards", shard_lib.token_file(manifest["shards"][0]["name"], manifest["dtype"]))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.write(np.full(size // 2, 65_533, "<u2").tobytes())  # ids past any 4,096 vocabulary, every one
+    assert os.path.getsize(path) == size
+    config = tiny_config()
+    config.model.vocab_size = 384
+    config.data.update(source="tokens", path=str(tmp_path / "shards"))
+    config.train.update(steps=2, eval_every=0, checkpoint_every=0)
+    with pytest.raises(ConfigError) as e:
+        train_and_evaluate(config, str(tmp_path / "run"), jax.devices()[:1], log=lambda *_: None)
+    assert "\n" not in str(e.value) and path in str(e.value) and "holds id 65533" in str(e.value), str(e.value)
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
 @pytest.mark.slow
