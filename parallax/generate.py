@@ -257,6 +257,15 @@ def _generate_window(graphdef, params, prompts, lengths, key, *, num_tokens, seq
     return out, num_tokens
 
 
+def prompt_kept(length: int, seq_len: int, cache: bool = True) -> int:
+    """How many of a `length`-token prompt's last tokens the model sees: all of one shorter than the window;
+    of a longer one, the cache's first round keeps its last `seq_len // 2` (`_generate_shifted`), the
+    window sampler its last `seq_len`."""
+    if length < seq_len or (not cache and length == seq_len):
+        return length
+    return seq_len // 2 if cache else seq_len
+
+
 def _generate_shifted(graphdef, params, prompts, lengths, key, *, num_tokens, seq_len, **kwargs):
     """Past the window, with the cache: rounds of `_generate_cached`, each round's prompt the last `seq_len // 2`
     tokens of each row so far (positions from 0 again, as in training), so each round has at least half the

@@ -78,6 +78,26 @@ def lr_schedule(settings: "OptimSettings", total_steps: int) -> optax.Schedule:
                                 [warmup, warmup + stable])
 
 
+def schedule_warnings(settings: "OptimSettings", total_steps: int) -> list[str]:
+    """One line per LR-schedule surprise of a run of `total_steps` steps (printed at its start; not errors: a
+    short test run, or an extension at the final LR, can be what the person wants): a warmup that does not
+    end within the run, and steps past the schedule's length (`optim.decay_steps`, kept to extend a run),
+    which train at its final LR."""
+    o, out = settings, []
+    schedule = lr_schedule(o, total_steps)
+    if o.warmup_steps > total_steps:
+        out.append(f"warning: optim.warmup_steps={o.warmup_steps} > train.steps={total_steps}: the LR never reaches "
+                   f"optim.lr={o.lr:g} (its last step's is {float(schedule(total_steps - 1)):.3g}); lower warmup_steps")
+    if o.schedule != "constant" and 0 < o.decay_steps < total_steps:
+        end = float(schedule(o.decay_steps))
+        out.append(f"warning: train.steps={total_steps} runs past optim.decay_steps={o.decay_steps}: steps "
+                   f"{o.decay_steps + 1}-{total_steps} train at the schedule's final LR {end:.3g}"
+                   + (" (min_lr_ratio=0: they change nothing)" if end == 0 else "")
+                   + f"; raise decay_steps to {total_steps} for a schedule over the whole run (a new run: resuming "
+                   "needs the length it started with)")
+    return out
+
+
 def _is_matrix(names) -> bool:
     return sum(n not in _STACKING + _NOT_MATRIX_DIMS for n in names) >= 2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from parallax.generate import generate
+from parallax.generate import generate, prompt_kept
 
 
 def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
@@ -48,12 +48,20 @@ def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
     return trainer, params, step, workdir_tokenizer(workdir, config)
 
 
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr)
+
+
 def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int = 0, temperature: float = 0.8, *,
-                        top_k: int = 0, top_p: float = 1.0, seed: int = 0, mesh: dict | None = None) -> str:
+                        top_k: int = 0, top_p: float = 1.0, seed: int = 0, mesh: dict | None = None,
+                        warn=_stderr) -> str:
     """Restores the latest checkpoint of `workdir` (onto one device, or sharded over `mesh`) and continues
     `prompt` (one string, or a list: one batch), encoded and decoded by the run's tokenizer
     (`WORKDIR/tokenizer`; the prompt's bytes as ids for an id-only corpus). Stops a row at the tokenizer's
-    eos. Sampling as `parallax.generate.generate`."""
+    eos. Sampling as `parallax.generate.generate`. A prompt longer than the model's window is cut to the
+    tokens the model sees, with one line through `warn` (default: stderr)."""
     from parallax.errors import ConfigError
     from parallax.sharding import activation_sharding
 
@@ -68,6 +76,11 @@ def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int =
         ids = [tok.prompt(t) for t in texts]
     else:  # an id-only corpus: the prompt's bytes, as ids
         ids = [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size for t in texts]
+    for i, p in enumerate(ids):
+        kept = prompt_kept(len(p), config.train.seq_len)
+        if kept < len(p):
+            warn(f"warning: prompt {i} has {len(p)} tokens, more than the model's {config.train.seq_len}-token window "
+                 f"(train.seq_len): the model sees its last {kept}")
     with activation_sharding(trainer.mesh, trainer.plan.rules):
         outs = generate(trainer.graphdef, params, ids, num_tokens or config.train.sample_tokens, config.train.seq_len,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

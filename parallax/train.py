@@ -26,6 +26,7 @@ from etils import epath
 from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import mesh as mesh_lib
+from parallax import optim
 from parallax import steps
 from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
@@ -336,6 +337,8 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
     log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {config.model.name} "
         f"{trainer.num_params / 1e6:.2f}M params; {dataset.describe()}")
     log(f"throughput: {throughput(trainer.plan, trainer.mesh).describe()}")
+    for line in optim.schedule_warnings(trainer.plan.optim, config.train.steps):
+        log(line)
     if start is None:
         state = trainer.init_state()
     else:

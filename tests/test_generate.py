@@ -172,6 +172,21 @@ def test_past_the_window_the_cache_decodes_in_rounds(llama):
         np.testing.assert_array_equal(a[first:first + seq // 2], again, err_msg=f"row {row}")
 
 
+def test_a_prompt_longer_than_the_window_decodes_as_the_part_the_model_sees(llama):
+    """`prompt_kept` (what `launch/sample.py`'s warning says the model sees) is the truth: a prompt past the
+    window continues exactly as its last `prompt_kept` tokens alone do, with the cache and without."""
+    from parallax.generate import prompt_kept
+
+    trainer, params = llama
+    seq = trainer.config.train.seq_len
+    long = (PROMPTS[2] * 8)[: seq + 3]
+    for cache in (True, False):
+        kept = prompt_kept(len(long), seq, cache)
+        assert kept < len(long) and prompt_kept(seq - 1, seq, cache) == seq - 1
+        np.testing.assert_array_equal(_generate(trainer, params, [long], num_tokens=4, cache=cache)[0],
+                                      _generate(trainer, params, [long[-kept:]], num_tokens=4, cache=cache)[0])
+
+
 def test_a_model_whose_embed_attends_falls_back_to_the_window():
     config = _config("moe")
     config.model.moe.update(first_dense=1, dense_d_ff=64)

@@ -124,6 +124,25 @@ def test_lr_schedule_edges_no_warmup_a_one_step_decay_and_decay_steps_0():
     assert lr_at([10, 11], decay_steps=10, wsd_decay_fraction=0.2, **wsd) == pytest.approx([1.0, 0.1])
 
 
+def test_schedule_surprises_are_one_line_warnings_at_the_start():
+    def warnings(steps, **settings):
+        config = tiny_config()
+        config.optim.update(lr=1.0, **settings)
+        return optim.schedule_warnings(optim.resolve(config.optim), steps)
+    assert warnings(100, warmup_steps=10, decay_steps=0) == []
+    assert warnings(100, warmup_steps=100, decay_steps=100) == []  # the warmup ends with the run
+    got = warnings(10, warmup_steps=20)
+    # step 10 (count 9) of a 20-step linear warmup to 1.0: 9 / 20
+    assert len(got) == 1 and "optim.warmup_steps=20 > train.steps=10" in got[0] and "is 0.45)" in got[0], got
+    got = warnings(10, warmup_steps=0, decay_steps=4, min_lr_ratio=0.0, schedule="cosine")
+    assert len(got) == 1 and "steps 5-10 train at the schedule's final LR 0 (min_lr_ratio=0: they change nothing)" \
+        in got[0], got
+    got = warnings(10, warmup_steps=0, decay_steps=4, min_lr_ratio=0.1, schedule="wsd")
+    assert len(got) == 1 and "final LR 0.1;" in got[0] and "raise decay_steps to 10" in got[0], got
+    assert warnings(10, warmup_steps=0, decay_steps=4, schedule="constant") == []  # no end to run past
+    assert all("\n" not in line and line.startswith("warning: ") for line in warnings(10, warmup_steps=20, decay_steps=4))
+
+
 def test_bad_optimizer_settings_are_one_line_errors():
     for key, value, match in [("name", "lion", "expected one of adamw, muon, sgd"),
                               ("grad_delay", 2, "expected 0 or 1"),
