@@ -274,7 +274,19 @@ def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_co
     sp = tok_lib.load(str(tmp_path / "sp.model"))
     assert sp.kind == "sentencepiece" and sp.add_bos and sp.prompt("alpha")[0] == sp.bos_id
     assert sp.decode(sp.encode("alpha beta")) == "alpha beta"
-    assert sp.decode(sp.encode("alpha") + [sp.vocab_size + 3]) == "alpha"  # a padded vocabulary's ids
+    assert sp.decode(sp.encode("alpha") + [sp.vocab_size, sp.vocab_size + 3]) == "alpha"  # a padded vocabulary's ids
+    assert sp.decode([0]) == sp.sp.decode([0]) != "" and sp.source == str(tmp_path / "sp.model")  # id 0: unk, kept
+    assert (sp.bos_id, sp.eos_id) == (sp.sp.bos_id(), sp.sp.eos_id()) == (1, 2)  # the model's own ids
+    # ids the model numbers from 0, and a model without an eos
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "sp0"),
+                                   vocab_size=200, minloglevel=2, bos_id=0, unk_id=1, eos_id=-1)
+    sp0 = tok_lib.load(str(tmp_path / "sp0.model"))
+    assert (sp0.bos_id, sp0.eos_id, sp0.prompt("alpha")[0]) == (0, None, 0)
+    (tmp_path / "junk.model").write_bytes(b"not a sentencepiece model" * 10)
+    with pytest.raises(ConfigError, match=r"config.data.tokenizer='.*junk.model': not a readable SentencePiece model "
+                                          r"\(\S") as e:
+        tok_lib.SentencePieceTokenizer(str(tmp_path / "junk.model"))
+    assert "\n" not in str(e.value)
     pytest.importorskip("tiktoken")
     import base64
 

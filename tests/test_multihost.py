@@ -57,6 +57,42 @@ def test_initialize_arguments_from_config_and_environment():
             distributed.initialize_kwargs(_dist(**kw), env={})
 
 
+def test_initialize_passes_the_config_to_jax_and_starts_the_watchdog(monkeypatch):
+    """What `initialize` does with `initialize_kwargs`' answer, with jax's side recorded: nothing for one
+    process; jax.distributed.initialize with the arguments (JAX's own heartbeat 2 x + 5 s behind the
+    watchdog, as a backstop), the watchdog on the configured timeout, and gloo collectives on CPU only."""
+    import types
+
+    import jax
+
+    calls = []
+    fake = types.SimpleNamespace(jax_platforms=None, update=lambda key, value: calls.append(("update", key, value)))
+    monkeypatch.setattr(jax, "config", fake)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(("initialize", kw)))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed._Watchdog, "start", classmethod(lambda cls, t, f: calls.append(("watch", t, f))))
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert distributed.initialize(_dist(heartbeat_timeout_s=7), env={}) is False and calls == []
+
+    def lost(process):
+        pass
+    assert distributed.initialize(_dist(heartbeat_timeout_s=7), env=SLURM, on_lost=lost) is True
+    assert calls == [("initialize", dict(heartbeat_timeout_seconds=19, initialization_timeout=300)), ("watch", 7, lost)]
+    calls.clear()
+    monkeypatch.setattr(jax, "process_count", lambda: 1)  # a job of one process: nobody to watch
+    distributed.initialize(_dist(heartbeat_timeout_s=7), env=SLURM, on_lost=lost)
+    assert calls == [("initialize", dict(heartbeat_timeout_seconds=19, initialization_timeout=300))]
+    for platforms, env in ((None, "cpu"), ("cpu", "tpu")):  # CPU said either way: gloo for the collectives
+        calls.clear()
+        fake.jax_platforms = platforms
+        monkeypatch.setenv("JAX_PLATFORMS", env)
+        distributed.initialize(_dist(coordinator="h:1", num_processes=2, process_id=0), env={})
+        assert calls == [("update", "jax_cpu_collectives_implementation", "gloo"),
+                         ("initialize", dict(coordinator_address="h:1", num_processes=2, process_id=0,
+                                             cluster_detection_method="deactivate", heartbeat_timeout_seconds=100,
+                                             initialization_timeout=300))], (platforms, env)
+
+
 def test_lost_peer_line_names_the_process():
     gloo = RuntimeError("UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error: Connection reset by peer\nmore")
     line = distributed.lost_peer_line(gloo, 0, 2, last_step=4)
@@ -65,6 +101,13 @@ def test_lost_peer_line_names_the_process():
     coordination = "UNAVAILABLE: task /job:jax_worker/replica:0/task:2 heartbeat timeout; /job:jax_worker/task:0"
     assert "lost process 2 of 4 (this is process 0)" in distributed.lost_peer_line(coordination, 0, 4)
     assert "lost a peer process of 4" in distributed.lost_peer_line("timeout", 1, 4)
+    assert distributed.lost_peer_line("", 1, 2).startswith("multi-host run stopped: lost process 0 of 2 (this is "
+                                                            "process 1): str;")  # no text: the error's type
+    named = distributed.lost_peer_line(coordination, 0, 4, last_step=None, lost=3)  # the watchdog names it
+    assert "lost process 3 of 4" in named and named.endswith("last complete checkpoint")
+    several = distributed.lost_peer_line("/job:x/task:1 and /job:x/task:3 and /task:0 " + "y" * 300, 0, 4)
+    assert "lost process 1, 3 of 4 (this is process 0): /job:x/task:1 and" in several
+    assert several.split("; rerun")[0].count("y") == 160 - len("/job:x/task:1 and /job:x/task:3 and /task:0 ")
 
 
 def test_dist_config_errors_exit_2_before_anything_starts(tmp_path):

@@ -446,7 +446,11 @@ def test_count_collectives_counts_async_pairs_once():
     (lambda: sequence.check_sequence_parallel("ulysses", 4, 8, 2, 18), "multiple of 4"),
     (lambda: sequence.check_sequence_parallel("dense", 2, 8, 2, 16), "set attention"),
     (lambda: sequence.check_sequence_parallel("flash", 2, 8, 2, 16), "use 'dense'"),
-    (lambda: sequence.ring_layout(jnp.zeros((1, 12)), 4), "multiple of 8"),
+    (lambda: sequence.ring_layout(jnp.zeros((1, 12)), 4), "length 12 is not divisible by 2*seq=8: use a seq_len "
+                                                          "that is a multiple of 8"),
+    (lambda: sequence.pieces_layout(jnp.zeros((1, 12)), (0, 2, 1, 4, 3)), "sequence length 12 is not divisible "
+                                                                          "into 5 layout pieces: use a seq_len that "
+                                                                          "is a multiple of 5"),
 ])
 def test_divisibility_errors_are_one_line_and_name_the_fix(call, fix):
     with pytest.raises(ValueError) as err:
