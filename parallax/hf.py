@@ -181,17 +181,27 @@ def _host_value(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _readable(path: str) -> None:
+    """A written file's mode as `open` would give it under this umask (safetensors writes 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def export_params(params: dict, model_config, out_dir: str, dtype: str = "float32",
-                  max_shard_bytes: int = 5 << 30) -> list[str]:
+                  max_shard_bytes: int = 5 << 30, special_ids: dict | None = None) -> list[str]:
     """Writes `params` (our pure dict, possibly sharded) as an HF checkpoint in `out_dir`: config.json and
     model.safetensors, or model-0000i-of-0000n.safetensors + index json when larger than `max_shard_bytes`.
-    Gathers one HF tensor (one layer of one parameter) at a time; only process 0 writes. Returns the files."""
+    Gathers one HF tensor (one layer of one parameter) at a time; only process 0 writes. Returns the files.
+    `special_ids` (`eos_token_id`, `bos_token_id`: the run's tokenizer's) go into config.json and a
+    generation_config.json, so that transformers' `generate` stops at the end of a text."""
     st = _safetensors()
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"--dtype={dtype}: export writes float32 or bfloat16")
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     cls = _model_with_mapping(model_config)
-    hf_config = {**cls.hf_config(model_config), "dtype": dtype}
+    special = {k: int(v) for k, v in (special_ids or {}).items() if v is not None}
+    hf_config = {**cls.hf_config(model_config), "dtype": dtype, **special}
     sources = cls.hf_sources(model_config)
     flat = {_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     by_name: dict[str, list] = {}
@@ -233,6 +243,7 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
         return []
     names = []
     if len(files) == 1:
+        _readable(files[0][0])
         os.replace(files[0][0], os.path.join(out_dir, SINGLE_FILE))
         names.append(SINGLE_FILE)
     else:
@@ -240,6 +251,7 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
         for k, (path, tensors) in enumerate(files):
             name = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
             total += os.path.getsize(path)
+            _readable(path)
             os.replace(path, os.path.join(out_dir, name))
             weight_map.update({t: name for t in tensors})
             names.append(name)
@@ -248,7 +260,12 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
         names.append(INDEX_FILE)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    return names + ["config.json"]
+    names.append("config.json")
+    if special:
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump(special, f, indent=2)
+        names.append("generation_config.json")
+    return names
 
 
 def export_tokenizer(kept: str, out_dir: str) -> list[str]:
@@ -379,7 +396,12 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train (or import) first")
     params = checkpointer.restore(trainer.abstract_state(), step)["params"]
     checkpointer.close()
-    names = export_params(params, trainer.plan.model_config, out_dir, dtype, max_shard_bytes)
+    from parallax import tokenizer as tok_lib
+
+    meta = tok_lib.read_meta(str(epath.Path(workdir) / "tokenizer")) or {}
+    eos = meta.get("eos_id", config.data.eos_id if config.data.eos_id >= 0 else None)
+    special = {"eos_token_id": eos, "bos_token_id": meta.get("bos_id") if meta.get("add_bos") else None}
+    names = export_params(params, trainer.plan.model_config, out_dir, dtype, max_shard_bytes, special_ids=special)
     names += export_tokenizer(str(epath.Path(workdir) / "tokenizer"), out_dir)
     log(f"exported step {step} of {workdir} ({config.model.name}) to {out_dir}: {', '.join(names)}")
     return names

@@ -299,6 +299,15 @@ def test_import_takes_the_hf_tokenizer_along_and_sampling_encodes_and_decodes_th
                     par=trainer.plan.parallelism)
     assert sample == f"step 0 sample:\n{prompt}{fast.decode(out.tolist(), skip_special_tokens=True)}", sample
     names = hf.export_workdir(work, str(tmp_path / "out"), devices=jax.devices()[:1], log=lambda *_: None)
-    assert {"tokenizer.json", "tokenizer_config.json"} <= set(names)
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(names)
     again = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     assert again.encode(prompt, add_special_tokens=False) == ids
+    # transformers' generation stops at the tokenizer's eos: both configs carry it (and bos only where the
+    # tokenizer adds one); every file is as readable as any file this process writes
+    model_config = transformers.AutoConfig.from_pretrained(str(tmp_path / "out"))
+    generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
+    assert model_config.eos_token_id == generation.eos_token_id == fast.eos_token_id
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in names:
+        assert os.stat(tmp_path / "out" / name).st_mode & 0o777 == 0o666 & ~mask, name
