@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -295,6 +296,16 @@ def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_co
     tk = tok_lib.load(str(tmp_path / "t.tiktoken"))
     assert tk.encode("alpha") == [258] and tk.decode(tk.encode(text)) == text
     assert (tk.bos_id, tk.eos_id, tk.vocab_size) == (259, 260, 259 + tok_lib.TIKTOKEN_SPECIALS)
+    # Llama 3's special tokens, numbered after the ranks, as its tokenizer.model (same format) has them
+    last = f"<|reserved_special_token_{tok_lib.TIKTOKEN_SPECIALS - 3}|>"
+    for name, want in (("<|begin_of_text|>", 259), ("<|end_of_text|>", 260), (last, tk.vocab_size - 1)):
+        assert tk.enc.encode(name, allowed_special="all") == [want], name
+    assert tk.files[0][0] == "tokenizer.tiktoken" and tk.source == str(tmp_path / "t.tiktoken")
+    shutil.copyfile(tmp_path / "t.tiktoken", tmp_path / "llama3.model")
+    assert tok_lib.TiktokenTokenizer(str(tmp_path / "llama3.model")).files[0][0] == "tokenizer.model"
+    (tmp_path / "bad.tiktoken").write_text("YQ== 0\n\nYg== 1\nnot-a-line\n")
+    with pytest.raises(ConfigError, match=r"bad.tiktoken':4: not a tiktoken BPE line \(base64 token, space, rank\)"):
+        tok_lib.TiktokenTokenizer(str(tmp_path / "bad.tiktoken"))
     for i, tok in enumerate(loaded + [sp, tk]):
         copy = str(tmp_path / f"copy{i}")
         assert tok_lib.read_meta(copy) is None and not tok_lib.has_files(copy)  # nothing there yet
