@@ -227,6 +227,49 @@ def _ragged_swiglu(wg, wu, wd):
     return grouped
 
 
+def _exchanges_per_loop(jaxpr) -> list[int]:
+    """The ragged all-to-alls inside each `scan` of a jaxpr that holds any (nested ones counted in their
+    outermost scan), in program order; those outside any scan are not listed."""
+    def subs(eqn):  # the jaxprs an equation holds (scan / pjit / shard_map / checkpoint bodies)
+        return [v.jaxpr if hasattr(v, "jaxpr") else v for v in eqn.params.values()
+                if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+
+    def count(jx):
+        return sum((eqn.primitive.name == "ragged_all_to_all") + sum(count(sj) for sj in subs(eqn)) for eqn in jx.eqns)
+
+    found = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "scan":
+                found.append(sum(count(sj) for sj in subs(eqn)))
+            else:
+                for sj in subs(eqn):
+                    walk(sj)
+    walk(jaxpr.jaxpr)
+    return [n for n in found if n]
+
+
+def test_dispatch_groups_recompute_their_forward_exchange_in_the_backward():
+    """`moe.dispatch_chunks` is a memory feature (each group's dispatch buffers live one at a time, forward and
+    backward), invisible in the numbers: the differentiated program shows it. Without groups: the two
+    exchanges each way, nothing in a loop. With 2 groups: a forward loop of 2 exchanges and a backward loop
+    of 3, the group's dispatch recomputed (its return exchange's output is not needed by any gradient) and
+    the two transposed; without the remat the backward loop would hold 2."""
+    h, idx, gates, wg, wu, wd = _random_routing(e=6, b=6)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("expert",))
+
+    def program(chunks):
+        def per_rank(h, idx, gates, wg, wu, wd):
+            return ep_lib.moe_ragged_ep(h, idx, gates, 6, _ragged_swiglu(wg, wu, wd), 3, chunks=chunks)[0]
+        run = jax.shard_map(per_rank, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+        loss = lambda h, wg: jnp.sum(run(h, idx, gates, wg, wu, wd) ** 2)
+        return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h, wg)
+    whole = program(1)
+    assert str(whole).count("ragged_all_to_all") == 4 and _exchanges_per_loop(whole) == []
+    assert _exchanges_per_loop(program(2)) == [2, 3]
+
+
 def test_dropless_and_capacity_paths_equal_per_expert_loop():
     h, idx, gates, wg, wu, wd = _random_routing()
     e = wg.shape[0]
