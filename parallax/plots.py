@@ -1,7 +1,8 @@
 """Pictures of a run for people: training curves from `metrics.jsonl` and how an array lies on the mesh.
 
-`plot_runs(workdirs, path)` draws train loss, eval loss and throughput (tokens/s per device, and MFU when
-the metrics have it) of one or more runs into a PNG (`launch/plot.py` is its command line).
+`plot_runs(workdirs, path)` draws train loss, eval loss (and per mixture source), the learning rate, the
+gradient norm and throughput (tokens/s per device, and MFU when the metrics have it) of one or more runs into
+a PNG (`launch/plot.py` is its command line); `curves` is what it draws, as data.
 `plot_sharding(array)` draws which devices hold which block of a sharded array (the notebooks use it).
 Both need matplotlib (the `dev` extra).
 """
@@ -44,40 +45,64 @@ def _pyplot():
     return plt
 
 
-def plot_runs(workdirs, path: str, labels=None) -> str:
-    """Draws the curves of the runs in `workdirs` (one colour each) into the PNG `path`; returns `path`.
-
-    Panels: train loss, eval loss (when any run evaluated), tokens/s per device (steps that include
-    compilation left out), and MFU (when any run logged it). Raises MetricsError for a workdir without
-    logged steps.
-    """
-    runs = [read_metrics(w) for w in workdirs]
-    labels = labels or [os.path.basename(os.path.normpath(w)) or w for w in workdirs]
-
+def curves(runs, labels) -> dict:
+    """What `plot_runs` draws: {panel title: {line label: (steps, values)}} for the runs' records (lists of
+    metrics.jsonl rows) named by `labels`. Panels, each where any run logged it: train loss; eval loss, one
+    line per run and one per mixture source (`eval_loss/SOURCE`); the learning rate; the gradient norm;
+    tokens/s per device (steps that include compilation left out); MFU in percent (the same steps)."""
     def series(records, key, skip_compile=False):
         rows = [r for r in records if key in r and not (skip_compile and r.get("includes_compile"))]
         return [r["step"] for r in rows], [r[key] for r in rows]
 
-    speed_key = lambda records: ("tokens_per_sec_per_device" if any("tokens_per_sec_per_device" in r for r in records)
-                                 else "tokens_per_sec")
-    panels = [("train loss", lambda r: series(r, "loss"))]
-    if any("eval_loss" in r for records in runs for r in records):
-        panels.append(("eval loss", lambda r: series(r, "eval_loss")))
-    panels.append(("tokens/s per device", lambda r: series(r, speed_key(r), skip_compile=True)))
-    if any("mfu" in r for records in runs for r in records):
-        panels.append(("MFU (%)", lambda r: (lambda s, v: (s, [100 * x for x in v]))(*series(r, "mfu", True))))
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
-    for ax, (title, get) in zip(axes[0], panels):
+    def speed_key(records):
+        return "tokens_per_sec_per_device" if any("tokens_per_sec_per_device" in r for r in records) else \
+            "tokens_per_sec"
+    logged = {k for records in runs for r in records for k in r}
+    sources = sorted(k for k in logged if k.startswith("eval_loss/"))
+    panels = {"train loss": lambda records: {"": series(records, "loss")}}
+    if "eval_loss" in logged or sources:
+        panels["eval loss"] = lambda records: {k[len("eval_loss"):]: series(records, k)
+                                               for k in ["eval_loss"] + sources}
+    if "lr" in logged:
+        panels["learning rate"] = lambda records: {"": series(records, "lr")}
+    if "grad_norm" in logged:
+        panels["gradient norm"] = lambda records: {"": series(records, "grad_norm")}
+    panels["tokens/s per device"] = lambda records: {"": series(records, speed_key(records), skip_compile=True)}
+    if "mfu" in logged:
+        panels["MFU (%)"] = lambda records: {"": (lambda st, v: (st, [100 * x for x in v]))(
+            *series(records, "mfu", skip_compile=True))}
+    out = {}
+    for title, get in panels.items():
+        out[title] = {}
         for records, label in zip(runs, labels):
-            steps, values = get(records)
-            if steps:
-                ax.plot(steps, values, "o-" if len(steps) < 20 else "-", markersize=3, label=label)
+            for suffix, (steps, values) in get(records).items():
+                if steps:
+                    out[title][label + suffix] = (steps, values)
+    return out
+
+
+def plot_runs(workdirs, path: str, labels=None) -> str:
+    """Draws the curves of the runs in `workdirs` (`curves`: one colour per line) into the PNG `path`, in
+    rows of three panels; returns `path`. Raises MetricsError for a workdir without logged steps."""
+    runs = [read_metrics(w) for w in workdirs]
+    labels = labels or [os.path.basename(os.path.normpath(w)) or w for w in workdirs]
+    panels = curves(runs, labels)
+    plt = _pyplot()
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels.items()):
+        for label, (steps, values) in lines.items():
+            ax.plot(steps, values, "o-" if len(steps) < 20 else "-", markersize=3, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    if len(runs) > 1:
-        axes[0][0].legend(fontsize=8)
+        if title == "learning rate":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        if len(lines) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

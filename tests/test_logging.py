@@ -193,3 +193,24 @@ def test_plot_reads_a_step_that_completed_no_batch_and_draws_its_eval(tmp_path):
     assert [r["step"] for r in plot_metrics(str(tmp_path))] == [1, 2]
     out = plot_runs([str(tmp_path)], str(tmp_path / "curves.png"))
     assert open(out, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_every_logged_curve_per_run_and_per_mixture_source():
+    """The panels and lines `plot_runs` draws, against the rows: learning rate, gradient norm, eval loss per
+    mixture source, MFU in percent; the first step (compilation) left out of the speed panels only."""
+    from parallax.plots import curves
+
+    a = [{"step": 1, "loss": 4.0, "grad_norm": 2.0, "lr": 1e-4, "tokens_per_sec_per_device": 5.0, "mfu": 0.1,
+          "includes_compile": True},
+         {"step": 2, "loss": 3.0, "grad_norm": 1.5, "lr": 2e-4, "tokens_per_sec_per_device": 50.0, "mfu": 0.4,
+          "eval_loss": 3.5, "eval_loss/code": 3.2, "eval_loss/web": 3.9}]
+    b = [{"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_sec": 7.0}]  # no grad norm, eval or MFU logged
+    got = curves([a, b], ["a", "b"])
+    assert list(got) == ["train loss", "eval loss", "learning rate", "gradient norm", "tokens/s per device", "MFU (%)"]
+    assert got["train loss"] == {"a": ([1, 2], [4.0, 3.0]), "b": ([1], [5.0])}
+    assert got["eval loss"] == {"a": ([2], [3.5]), "a/code": ([2], [3.2]), "a/web": ([2], [3.9])}
+    assert got["learning rate"] == {"a": ([1, 2], [1e-4, 2e-4]), "b": ([1], [1e-3])}
+    assert got["gradient norm"] == {"a": ([1, 2], [2.0, 1.5])}
+    assert got["tokens/s per device"] == {"a": ([2], [50.0]), "b": ([1], [7.0])}
+    assert got["MFU (%)"] == {"a": ([2], [40.0])}
+    assert list(curves([b], ["b"])) == ["train loss", "learning rate", "tokens/s per device"]
