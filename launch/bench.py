@@ -10,6 +10,7 @@
     python launch/bench.py --part=diloco --cpu_devices=4 --steps=800   # DiLoCo vs data parallel: eval loss
     python launch/bench.py --part=overlap --topology=v5p:2x2x1          # dualpipev's overlapped all-to-alls
     python launch/bench.py --part=packs                                # context-parallel work: zigzag vs balanced
+    python launch/bench.py --part=memory --cpu_devices=64              # docs/memory.md's table: XLA:CPU's peaks
                                                                        # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -17,8 +18,10 @@ the memory figures are XLA's own (`compiled.memory_analysis()`, per device); the
 cost analysis and the collectives of the compiled optimizer update, per device.
 """
 
+import math
 import os
 import sys
+import time
 
 
 from absl import app, flags
@@ -34,7 +37,7 @@ OVERLAP_SCHEDULES = [n for n, k in KINDS.items() if k.chunks == 2 and not k.pair
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
-                                  "diloco", "overlap", "packs"],
+                                  "diloco", "overlap", "packs", "memory"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
@@ -597,6 +600,47 @@ def bench_packs(rows: int = 16, seq_len: int = 131072, block: int = 512):
             print(f"| median {median}, sigma {sigma} | {s} | {spread(zigzag):.3f} | {spread(balanced):.3f} |")
 
 
+# docs/memory.md's measured configs: (row, config file, overrides, devices), XLA:CPU's compiled peak per device.
+MEMORY_ROWS = [
+    ("`llama3_8b.py`: 32 microbatches of 1 x 8192 per GPU, remat full", "llama3_8b.py", {}, 8),
+    ("`llama3_70b.py`: 64 microbatches, remat full", "llama3_70b.py", {}, 64),
+    ("`llama3_70b_pp.py`: zb_h1, 64 microbatches", "llama3_70b_pp.py", {}, 64),
+    ("`gpt2_small.py` (5 microbatches)", "gpt2_small.py", {}, 8),
+    ("`gpt2_small.py` without accumulation", "gpt2_small.py", {"train.microbatches": "1"}, 8),
+]
+
+
+def bench_memory():
+    """docs/memory.md's table of measured configs, regenerated: each config's train step compiled for its
+    simulated CPU devices (`parallax.memory.memory_report`, what `launch/plan.py` prints), the peak per
+    device and whether it fits an 80 GB GPU (74.5 GiB)."""
+    import jax
+
+    from parallax.config import apply_override
+    from parallax.defaults import load_config_file
+    from parallax.memory import memory_report
+
+    print(f"jax {jax.__version__}, XLA:CPU, per device, bf16\n")
+    print("| config | devices / mesh | peak | fits 80 GB |")
+    print("|---|---|---|---|")
+    for row, name, overrides, n in MEMORY_ROWS:
+        if n > len(jax.devices()):
+            print(f"| {row} | {n}: needs --cpu_devices={n} | | |")
+            continue
+        config = load_config_file(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                               "configs", name))
+        for key, value in overrides.items():
+            apply_override(config, key, value)
+        start = time.perf_counter()
+        report = memory_report(config, jax.devices()[:n])
+        peak = report.peak / 2**30
+        rest = n // math.prod(v for v in config.mesh.values() if v > 0)  # what an axis of -1 takes
+        sizes = {a: rest if v == -1 else v for a, v in config.mesh.items()}
+        mesh = ", ".join(f"{a} {v}" for a, v in sizes.items() if v != 1)
+        print(f"| {row} | {n}: {mesh} | {peak:.1f} GiB | {'yes' if peak <= 74.5 else 'no'} |   "
+              f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
+
+
 def main(_):
     if FLAGS.part == "device" and not FLAGS.cpu_devices:  # the overlap flags a training run would set
         from parallax.mesh import apply_platform_flags, detect_platform
@@ -628,7 +672,7 @@ def main(_):
     if FLAGS.part == "diloco":
         bench_diloco(FLAGS.steps)
         return
-    if FLAGS.part not in ("device", "generate", "balance"):
+    if FLAGS.part not in ("device", "generate", "balance", "memory"):
         print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices; model: 8 layers, "
               f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")
     if FLAGS.part in ("all", "mesh"):
@@ -643,6 +687,8 @@ def main(_):
         bench_device(2 if FLAGS.smoke else FLAGS.steps, FLAGS.smoke)
     if FLAGS.part == "generate":
         bench_generate()
+    if FLAGS.part == "memory":
+        bench_memory()
 
 
 
