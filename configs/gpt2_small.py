@@ -5,7 +5,7 @@ The vocabulary is GPT-2's 50257 tokens padded to 50304 (a multiple of 64 and of 
 
 For 8 devices of 80 GB: 480 sequences of 1024 tokens per step, accumulated over 5 microbatches (12
 sequences per device at a time). `python launch/plan.py --config=configs/gpt2_small.py --devices=8` measures
-a peak of 36.7 GiB per device (XLA's analysis of the compiled step; without accumulation: 174 GiB).
+a peak of 23.3 GiB per device (XLA's analysis of the compiled step, 2026-12-06; without accumulation: 104.5 GiB).
 
     python launch/train.py --config=configs/gpt2_small.py --workdir=runs/gpt2_small \
         --config.data.path=/data/openwebtext.uint16.bin
