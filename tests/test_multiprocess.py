@@ -6,8 +6,10 @@ distinct rows when the batch is split across the processes (data=8), the whole b
 """
 
 import os
+import signal
 import socket
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -37,28 +39,56 @@ CASES = {"seq2-tensor4-ring": dict(seq=2, tensor=4, attention="ring"),
          "replica2-fsdp4-diloco": dict(replica=2, fsdp=4, diloco=dict(sync_every=2, pseudo_grad_dtype="int8"))}
 
 
+STEPS = 4
+
+
+def _start(workdir, overrides, steps):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return [subprocess.Popen(
+        launcher_command("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=4",
+                         f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}", *overrides,
+                         f"--config.train.steps={steps}"),
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_processes_match_one_process(case, tmp_path):
+    """The ring case also stops on a signal only one process received: SIGTERM to process 1 alone, once a
+    step is logged; both processes agree on the step to stop after (`_stop_signal`), save it together and
+    exit 143, and the rerun resumes from it: every step's loss is the one-process run's."""
     mesh = dict(CASES[case])
     attention, diloco = mesh.pop("attention", "dense"), mesh.pop("diloco", {})
     overrides = [f"--config.mesh.{axis}={size}" for axis, size in mesh.items()] + [
         f"--config.diloco.{k}={v}" for k, v in diloco.items()] + [
-        f"--config.model.attention={attention}", "--config.model.num_kv_heads=4", "--config.train.steps=3",
-        "--config.train.eval_every=0", "--config.train.checkpoint_every=0"]
-    port, workdir = _free_port(), str(tmp_path / "multi")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen(
-        launcher_command("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=4",
-                         f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}", *overrides),
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)]
+        f"--config.model.attention={attention}", "--config.model.num_kv_heads=4", "--config.train.log_every=1",
+        "--config.train.eval_every=0", "--config.train.checkpoint_every=0", "--config.optim.decay_steps=100"]
+    workdir = str(tmp_path / "multi")
+    signal_one = case == "seq2-tensor4-ring"
+    procs = _start(workdir, overrides, 1000 if signal_one else STEPS)
+    if signal_one:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+                                              and read_metrics(workdir, skip_torn_line=True)):
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-2000:]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
     for proc in procs:
         out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
+        assert proc.returncode == (143 if signal_one else 0), err[-2000:]
+    if signal_one:
+        saved = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
+        assert len(saved) == 1 and 1 <= saved[0] < STEPS and [r["step"] for r in read_metrics(workdir)] == \
+            list(range(1, saved[0] + 1)), saved  # one checkpoint, of the step both processes stopped after
+        for i, proc in enumerate(_start(workdir, overrides, STEPS)):
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0 and (i == 1 or f"at step {saved[0]}" in out), (out[-1000:], err[-2000:])
     config = tiny_config(**mesh)
     config.model.update(attention=attention, num_kv_heads=4)
     config.diloco.update(diloco)
-    config.train.update(steps=3, eval_every=0, checkpoint_every=0)
+    config.train.update(steps=STEPS, eval_every=0, checkpoint_every=0)
+    config.optim.decay_steps = 100
     single = train_and_evaluate(config, str(tmp_path / "single"), log=lambda *_: None)
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(_losses(workdir), [r["loss"] for r in single.history], rtol=1e-5)
