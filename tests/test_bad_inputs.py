@@ -4,8 +4,8 @@ naming what was typed, its exit status 2, and the paths it names (workdir, outpu
 sizes and mtimes, and a path that did not exist still absent.
 
 Cheap by construction: one driver process (tests/bad_inputs_driver.py) imports jax, parallax and lm-eval once
-and forks a child per command line, so the table costs one interpreter start, not one per row. lm-eval's task
-index is built once in the driver too (see the driver)."""
+and forks a child per command line, so the table costs one interpreter start, not one per row (and lm-eval's
+task index covers only the tasks the rows name: see the driver)."""
 
 import json
 import os
