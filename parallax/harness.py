@@ -273,15 +273,24 @@ class ParallaxLM(TemplateLM):
 def main() -> None:
     """lm-eval's own command line (the same flags as `lm_eval`), with the `parallax` model registered. Before
     the model loads, the run's tasks are resolved and their data loaded once (from lm-eval's and datasets'
-    caches: seconds, where the checkpoint may take minutes), so a bad input -- a ConfigError, a task name
-    lm-eval does not know, a task whose data is neither cached nor downloadable -- exits 2 with one line."""
+    caches: seconds, where the checkpoint may take minutes), so a bad input -- an unknown flag, a ConfigError,
+    a task name lm-eval does not know, a task whose data is neither cached nor downloadable -- exits 2 with
+    one line."""
     import sys
 
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
+    def fail(message):  # argparse's error: one line, not the usage and the error (exit 2 as argparse's)
+        print(f"config error: {message} (--help lists the flags)", file=sys.stderr)
+        sys.exit(2)
+
     setup_logging()
     parser = HarnessCLI()
+    subparsers = getattr(getattr(parser, "_subparsers", None), "choices", {})  # lm-eval 0.4.13's parsers
+    for argparser in [getattr(parser, "_parser", None), *subparsers.values()]:
+        if argparser is not None:
+            argparser.error = fail
     args = parser.parse_args()
     try:
         if getattr(args, "tasks", None) is not None:  # the `run` command (also lm-eval's default)

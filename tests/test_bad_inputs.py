@@ -153,6 +153,8 @@ CASES = [
      "--tasks lambada_openai: its data is not cached and cannot be downloaded"),
     ("harness-no-run", "harness", ["--model", "parallax", "--model_args", "workdir={new}", "--tasks",
                                    "lambada_openai"], ["new"], "--model_args workdir={new}: no config.json there"),
+    ("harness-misspelled-flag", "harness", ["--model", "parallax", "--taks", "lambada_openai"], [],
+     "unrecognized arguments: --taks lambada_openai"),
     # schedule.py
     ("schedule-unknown", "schedule", ["--schedule=2f2b"], [], "2f2b"),
     ("schedule-stages-0", "schedule", ["--stages=0"], [], "stages"),
