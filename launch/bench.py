@@ -26,6 +26,7 @@ import time
 
 from absl import app, flags
 
+from launch.common import parse_flags
 from parallax.pipeline.schedule import DEFAULT, KINDS  # numpy only: imports nothing that starts jax
 
 # --part=balance: every flushing schedule of a fixed chunk count that runs one action a tick;
@@ -35,18 +36,20 @@ BALANCE_SCHEDULES = [n for n, k in KINDS.items() if k.flushes and not k.pairs an
 OVERLAP_SCHEDULES = [n for n, k in KINDS.items() if k.chunks == 2 and not k.pairs][:1] + [
     n for n, k in KINDS.items() if k.pairs]
 
-flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).")
+flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).", lower_bound=0)
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
                                   "diloco", "overlap", "packs", "memory"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
-flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.")
+flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.", lower_bound=1e-6)
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
 flags.DEFINE_list("schedules", list(KINDS),
                   "--part=pipeline: the schedules to measure.")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration (after one compile step); --part=diloco: "
-                     "training steps.")
+                     "training steps.", lower_bound=1)
 flags.DEFINE_string("topology", "v5p:2x2x1", "--part=overlap: the TPU slice to compile for (libtpu, ahead of time).")
+flags.register_validator("schedules", lambda names: set(names) <= set(KINDS),
+                         f"unknown schedule; known: {', '.join(KINDS)}")
 FLAGS = flags.FLAGS
 
 
@@ -282,7 +285,6 @@ def _measured(command, **kw):
     """(seconds, peak RSS MiB of the largest process, stdout) of a command run in a fresh process."""
     import resource
     import subprocess
-    import time
 
     probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); r = subprocess.run(sys.argv[1:]); "
              "print(f'BENCH {time.perf_counter() - t} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}'); "
@@ -694,7 +696,7 @@ def main(_):
 
 def cli():
     """The `parallax-bench` console script (pyproject.toml); also `python launch/bench.py`."""
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 --cpu_devices, and the exit-status contract (2 for a config error, with one line on stderr; 130 for a
 Ctrl-C that stops at once, also with one line)."""
 
+import os
 import sys
 
 from absl import app, flags
@@ -54,6 +55,10 @@ def cli_main(run, needs_config):
         inspect_only = getattr(run, "inspect_only", lambda _: False)(flags.FLAGS)  # e.g. train.py --dry_run
         if not flags.FLAGS.workdir and not inspect_only:
             _config_exit(ConfigError("--workdir is required, e.g. --workdir=/tmp/run1"))
+        workdir = flags.FLAGS.workdir
+        if workdir and os.path.exists(workdir) and not os.path.isdir(workdir):
+            _config_exit(ConfigError(f"--workdir={workdir}: a file, not a directory; pass a directory (a new "
+                                     "path is created)"))
         config = None
         if needs_config == "optional":
             config = (flags.FLAGS.config, overrides)
@@ -82,7 +87,31 @@ def cli_main(run, needs_config):
         except Exception as e:  # noqa: BLE001 -- a lost peer surfaces as whatever the runtime raised
             _peer_exit(e, flags.FLAGS.workdir)
 
-    app.run(main, argv=argv)
+    app.run(main, argv=argv, flags_parser=parse_flags)
+
+
+def parse_flags(argv):
+    """absl's flags parser for a launcher whose errors are config errors: a misspelled or unknown flag, a
+    value of the wrong type or a stray argument prints one line (`config error: ...`, naming the flag and
+    absl's close match) and exits 2 (absl alone: two lines, exit 1). Pass it to `app.run(main, flags_parser=...)`."""
+    return _parse_flags(argv, _config_exit)
+
+
+def _parse_flags(argv, fail):
+    try:
+        rest = flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:
+        from absl.flags import _helpers
+
+        close = _helpers.get_flag_suggestions(e.flagname, list(flags.FLAGS))
+        hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+        fail(f"--{e.flagname}: unknown flag{hint} (--helpshort lists this command's flags)")
+    except flags.Error as e:  # absl's "flag --name=value: why" (a wrong type, a value out of bounds)
+        message = " ".join(str(e).split())
+        fail(message[len("flag "):] if message.startswith("flag --") else message)
+    if len(rest) > 1:
+        fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
+    return rest
 
 
 def _platform_flags():
@@ -103,7 +132,6 @@ def _config_exit(error):
 
 def _latest_checkpoint(workdir):
     """The latest step saved under `workdir/checkpoints`, or None (read from the directory names: no jax)."""
-    import os
 
     ckpts = os.path.join(workdir or "", "checkpoints")
     steps = [int(n) for n in (os.listdir(ckpts) if os.path.isdir(ckpts) else []) if n.isdigit()]
@@ -113,8 +141,6 @@ def _latest_checkpoint(workdir):
 def _interrupted_exit(workdir):
     """One line and exit 130 (128 + SIGINT) at once: `os._exit`, so no thread (an async save) is waited for.
     `workdir`: a training run's (the line says where a rerun resumes); None for a launcher that does not train."""
-    import os
-
     if workdir is None:
         sys.stdout.flush()
         print("interrupted (SIGINT)", file=sys.stderr, flush=True)
@@ -162,8 +188,6 @@ def _peer_exit(error, workdir, lost=None):
     """In a multi-process run, an error of JAX's runtime (a collective or the coordination service failing) means
     a lost peer: one line naming it and the checkpoint a rerun resumes from, exit 3. Anything else, and any
     error of a single-process run, is re-raised as it was."""
-    import os
-
     import jax
 
     from parallax import distributed
@@ -184,12 +208,4 @@ def plain_cli(program: str):
         print(f"{program}: {message}", file=sys.stderr)
         sys.exit(2)
 
-    def parse_flags(argv):
-        try:
-            rest = flags.FLAGS(argv)
-        except flags.Error as e:
-            fail(str(e))
-        if len(rest) > 1:
-            fail(f"unexpected arguments {rest[1:]}; pass everything as --flag=value")
-        return rest
-    return fail, parse_flags
+    return fail, lambda argv: _parse_flags(argv, fail)

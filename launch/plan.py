@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags
 
-from launch.common import _config_exit
+from launch.common import _config_exit, parse_flags
 
 flags.DEFINE_string("config", None, "Path to a config file with get_config().")
 flags.DEFINE_integer("devices", 0, "Simulated CPU devices to plan for (0: the product of the config's mesh sizes).")
@@ -118,7 +118,7 @@ def cli():
         argv, overrides = split_overrides(sys.argv)
     except ConfigError as e:
         _config_exit(e)
-    app.run(lambda a: main(a, overrides), argv=argv)
+    app.run(lambda a: main(a, overrides), argv=argv, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import sys
 
 from absl import app, flags
 
+from launch.common import parse_flags
+
 flags.DEFINE_multi_string("inputs", [], "NAME=PATTERN (or PATTERN): files of one source; repeat for more.")
 flags.DEFINE_string("tokenizer", "bytes", "bytes, a tokenizer.json, an HF model directory, or a "
                     "SentencePiece / tiktoken model file.")
@@ -44,7 +46,7 @@ def main(_):
 
 def cli():
     """The `parallax-prepare-data` console script (pyproject.toml); also `python launch/prepare_data.py`."""
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 A bad argument prints one line on stderr and exits with status 2.
 """
-
+import os
 
 from absl import app, flags
 
@@ -33,9 +33,14 @@ def main(argv):
     del argv
     try:
         costs = parse_costs(FLAGS.costs)
+    except ValueError as e:
+        _fail(f"--costs={FLAGS.costs}: {e}")
+    try:
         schedule = make_schedule(FLAGS.schedule, FLAGS.stages, FLAGS.microbatches, FLAGS.virtual)
     except ValueError as e:  # ScheduleError is a ValueError
         _fail(str(e))
+    if FLAGS.png and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.png))):
+        _fail(f"--png={FLAGS.png}: its directory does not exist; create it or write elsewhere")
     if FLAGS.png:
         render_png(schedule, FLAGS.png, costs)
     print(render_summary(schedule, costs))

@@ -12,6 +12,8 @@ import sys
 
 from absl import app, flags
 
+from launch.common import parse_flags
+
 flags.DEFINE_multi_string("inputs", [], "NAME=PATTERN (or PATTERN) of the files to train on; repeat for more.")
 flags.DEFINE_integer("vocab_size", 4096, "Ids in the tokenizer (256 bytes + eos + merges).")
 flags.DEFINE_string("output", None, "Directory for tokenizer.json and tokenizer_config.json.")
@@ -39,7 +41,7 @@ def main(_):
 
 def cli():
     """The `parallax-train-tokenizer` console script (pyproject.toml); also `python launch/train_tokenizer.py`."""
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

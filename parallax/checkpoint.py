@@ -42,7 +42,7 @@ class Checkpointer:
 
     def __init__(self, directory, every: int, keep: int, async_save: bool = True, cleanup: bool = True):
         """`cleanup=False` for a reader (e.g. sampling while a run trains), which must not delete the temp
-        directory of a save in progress."""
+        directory of a save in progress, nor create the directory."""
         if "://" not in str(directory):  # Orbax wants absolute local paths; gs:// and other URLs stay as they are
             directory = os.path.abspath(directory)
         self.directory = epath.Path(directory)
@@ -58,6 +58,7 @@ class Checkpointer:
             preservation_policy=preservation_policy.LatestN(int(keep)),
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=cleanup,
+            create=cleanup,  # a reader of a run with no checkpoint yet leaves no empty directory behind
         )
         with _quiet():
             self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -92,13 +92,30 @@ def shard_entry(directory: str, name: str, dtype: str, eos_id: int) -> dict:
     """The manifest entry of a committed shard, read back from its files (a restarted preparation); a shard
     whose index does not fit its tokens is a ShardError."""
     tokens = np.fromfile(os.path.join(directory, token_file(name, dtype)), DTYPES[dtype])
-    starts = np.load(os.path.join(directory, docs_file(name)))
+    starts = load_index(os.path.join(directory, docs_file(name)), "delete the shard's files and rerun to write "
+                        "it again")
     if len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens) or tokens[-1] != eos_id):
         raise ShardError(f"shard {name!r} in {directory!r} is damaged (its index does not fit its tokens); "
                          "delete its files and rerun to write it again")
     return {"name": name, "tokens": int(len(tokens)), "documents": int(len(starts)),
             "lowest": int(tokens.min()) if len(tokens) else 0, "highest": int(tokens.max()) if len(tokens) else 0,
             "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+
+
+def load_index(path: str, fix: str, mmap_mode=None) -> np.ndarray:
+    """A shard's document index: a 1-D int64 .npy array; anything else (junk bytes, a pickle, another
+    array) is a one-line ShardError naming the file and `fix` (not numpy's advice to unpickle it)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise ValueError("no .npy header")
+        starts = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+        if starts.dtype != np.int64 or starts.ndim != 1:
+            raise ValueError(f"holds {starts.dtype}{list(starts.shape)}, not a list of int64 offsets")
+    except (OSError, ValueError, EOFError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ShardError(f"shard index {path!r} is damaged ({reason}); {fix}") from None
+    return starts
 
 
 def read_manifest(directory: str) -> dict:
@@ -166,10 +183,7 @@ class Shard:
     @functools.cached_property
     def starts(self) -> np.ndarray:
         path = os.path.join(self.directory, docs_file(self.name))
-        try:
-            starts = np.load(path, mmap_mode="r")
-        except (OSError, ValueError, EOFError) as e:
-            raise ShardError(f"shard index {path!r} is unreadable ({e}); prepare the directory again") from None
+        starts = load_index(path, f"prepare {self.directory!r} again with launch/prepare_data.py", mmap_mode="r")
         if len(starts) != self.n_docs:
             raise ShardError(f"shard index {path!r} lists {len(starts)} documents, the manifest {self.n_docs}; "
                              "prepare the directory again")

@@ -243,6 +243,24 @@ def _token_index(path, tokens, eos_id):
     return lowest, highest, ends
 
 
+_TOKEN_FILE_SUFFIXES = (".bin", ".npy")
+
+
+def check_token_paths(path: str) -> None:
+    """Each comma-separated path of source='tokens' exists: a DataError (`path=...: ...`) naming the first that
+    does not, as the shard directory or the token file its name says it is meant to be."""
+    paths = [p.strip() for p in str(path).split(",") if p.strip()]
+    if not paths:
+        raise DataError("path='': source='tokens' needs a path: a shard directory (launch/prepare_data.py) or a "
+                        "token file")
+    for p in paths:
+        if not os.path.exists(p):
+            if p.endswith(_TOKEN_FILE_SUFFIXES):
+                raise DataError(f"path={p!r}: no such token file; pass the path of a NAME.uint16.bin, NAME.uint32.bin "
+                                "or NAME.npy file")
+            raise DataError(f"path={p!r}: no such directory; pass a shard directory that launch/prepare_data.py wrote")
+
+
 def _token_streams(path, vocab_size, eval_fraction, eos_id):
     """Memory-maps a token file, checks every id against vocab_size, splits off the tail for eval."""
     if eos_id is None:
@@ -251,7 +269,7 @@ def _token_streams(path, vocab_size, eval_fraction, eos_id):
         raise DataError(f"eos_id={eos_id} is outside the vocab [0, {vocab_size}); "
                         "pass the tokenizer's eos id")
     if not os.path.isfile(path):
-        raise DataError(f"token file {path!r} does not exist; pass the path of a NAME.uint16.bin, "
+        raise DataError(f"token file {path!r} is not a file; pass the path of a NAME.uint16.bin, "
                         "NAME.uint32.bin or NAME.npy file")
     tokens = _open_tokens(path)
     if len(tokens) == 0:
@@ -569,6 +587,7 @@ def make_dataset(source: str, path: str = "", *, seq_len: int, global_batch_size
         docs = _text(path, eval_fraction, max_bytes)
         dtype = np.uint8 if eos_id is None else np.int32
     elif source == "tokens":
+        check_token_paths(path)
         dirs = [p.strip() for p in str(path).split(",") if p.strip()]
         weights = parse_mixture(mixture)
         if dirs and all(os.path.isdir(d) for d in dirs):

@@ -294,6 +294,15 @@ def _generate_shifted(graphdef, params, prompts, lengths, key, *, num_tokens, se
     return out, made
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "generate: ") -> None:
+    """temperature >= 0, top_k >= 0, 0 < top_p <= 1, else a ConfigError naming `prefix` + `name=value`
+    (launch/sample.py: `--`, so the line names the flag, before a checkpoint is restored)."""
+    for name, value, ok in (("temperature", temperature, temperature >= 0), ("top_k", top_k, top_k >= 0),
+                            ("top_p", top_p, 0 < top_p <= 1)):
+        if not ok:
+            raise ConfigError(f"{prefix}{name}={value}: must be {'in (0, 1]' if name == 'top_p' else '>= 0'}")
+
+
 def generate(graphdef, params, prompts, num_tokens: int, seq_len: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, cache: bool | None = None,
              par: Parallelism = DENSE, vocab_size: int | None = None) -> list[np.ndarray]:
@@ -310,10 +319,7 @@ def generate(graphdef, params, prompts, num_tokens: int, seq_len: int, *, temper
     """
     if num_tokens <= 0:
         return [np.zeros((0,), np.int32) for _ in prompts]
-    for name, value, ok in (("temperature", temperature, temperature >= 0), ("top_k", top_k, top_k >= 0),
-                            ("top_p", top_p, 0 < top_p <= 1)):
-        if not ok:
-            raise ConfigError(f"generate: {name}={value}: must be {'in (0, 1]' if name == 'top_p' else '>= 0'}")
+    check_sampling(temperature, top_k, top_p)
     prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
     ctx = activation_context()
     shards = _batch_shards()

@@ -271,14 +271,80 @@ class ParallaxLM(TemplateLM):
 
 
 def main() -> None:
-    """lm-eval's own command line (the same flags as `lm_eval`), with the `parallax` model registered; a
-    ConfigError exits 2 with its one line."""
+    """lm-eval's own command line (the same flags as `lm_eval`), with the `parallax` model registered. Before
+    the model loads, the run's tasks are resolved and their data loaded once (from lm-eval's and datasets'
+    caches: seconds, where the checkpoint may take minutes), so a bad input -- an unknown flag, a ConfigError,
+    a task name lm-eval does not know, a task whose data is neither cached nor downloadable -- exits 2 with
+    one line."""
     import sys
 
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
 
+    def fail(message):  # argparse's error: one line, not the usage and the error (exit 2 as argparse's)
+        print(f"config error: {message} (--help lists the flags)", file=sys.stderr)
+        sys.exit(2)
+
+    setup_logging()
+    parser = HarnessCLI()
+    subparsers = getattr(getattr(parser, "_subparsers", None), "choices", {})  # lm-eval 0.4.13's parsers
+    for argparser in [getattr(parser, "_parser", None), *subparsers.values()]:
+        if argparser is not None:
+            argparser.error = fail
+    args = parser.parse_args()
     try:
-        cli_evaluate()
+        if getattr(args, "tasks", None) is not None:  # the `run` command (also lm-eval's default)
+            _check_run(args)
+        parser.execute(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _check_run(args) -> None:
+    """The model's arguments and every task of `lm-eval run ARGS`, checked without loading the model."""
+    import copy
+    import logging
+    import os
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    try:
+        config = EvaluatorConfig.from_cli(copy.deepcopy(args))
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    model_args = config.model_args if isinstance(config.model_args, dict) else {}
+    if config.model == "parallax":
+        for key, what in (("workdir", "the workdir of a parallax run"), ("hf_dir", "a Hugging Face model directory")):
+            path = model_args.get(key)
+            if path is not None and not os.path.isfile(os.path.join(str(path), "config.json")):
+                raise ConfigError(f"--model_args {key}={path}: no config.json there; pass {what}")
+    tasks = args.tasks if isinstance(args.tasks, str) else ",".join(map(str, args.tasks))
+    try:
+        manager = config.process_tasks(config.metadata)
+    except ValueError as e:
+        if not str(e).startswith("Tasks not found:"):
+            raise
+        missing = str(e).split(":", 1)[1].strip()
+        raise ConfigError(f"--tasks {tasks}: no task named {missing}; `python launch/harness.py ls tasks` lists "
+                          "them (a task of your own: --include_path DIR_OF_YAMLS)") from None
+    quiet = [logging.getLogger(name) for name in ("huggingface_hub", "datasets", "lm_eval", "fsspec")]
+    levels = [log.level for log in quiet]
+    for log in quiet:  # the checks below repeat what the run logs; their retries and notes are not news
+        log.setLevel(logging.ERROR)
+    try:
+        for task in config.tasks:
+            name = task if isinstance(task, str) else task.get("task", str(task))
+            try:
+                manager.load([task])
+            except (ConnectionError, OSError) as e:
+                reason = " ".join(str(e).split())
+                offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in
+                           ("", "0")]
+                how = (f"unset {' and '.join(offline)} to download it" if offline else
+                       "connect to the Hugging Face Hub once to cache it")
+                raise ConfigError(f"--tasks {name}: its data is not cached and cannot be downloaded ({reason}); "
+                                  f"{how}, or pick a task whose data is cached") from None
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)

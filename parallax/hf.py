@@ -188,6 +188,16 @@ def _readable(path: str) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
+def _check_export_args(out_dir: str, dtype: str, max_shard_bytes: int) -> None:
+    """The export's own arguments, checked before anything is restored or written."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype={dtype}: export writes float32 or bfloat16")
+    if max_shard_bytes <= 0:
+        raise ConfigError(f"--max_shard_gb={max_shard_bytes / (1 << 30):g}: must be > 0, e.g. --max_shard_gb=5")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"--out={out_dir}: a file, not a directory; pass a new path or a directory")
+
+
 def export_params(params: dict, model_config, out_dir: str, dtype: str = "float32",
                   max_shard_bytes: int = 5 << 30, special_ids: dict | None = None) -> list[str]:
     """Writes `params` (our pure dict, possibly sharded) as an HF checkpoint in `out_dir`: config.json and
@@ -196,8 +206,7 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
     `special_ids` (`eos_token_id`, `bos_token_id`: the run's tokenizer's) go into config.json and a
     generation_config.json, so that transformers' `generate` stops at the end of a text."""
     st = _safetensors()
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"--dtype={dtype}: export writes float32 or bfloat16")
+    _check_export_args(out_dir, dtype, max_shard_bytes)
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     cls = _model_with_mapping(model_config)
     special = {k: int(v) for k, v in (special_ids or {}).items() if v is not None}
@@ -378,6 +387,7 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
     from parallax.defaults import load_saved_config
     from parallax.trainer import Trainer
 
+    _check_export_args(out_dir, dtype, max_shard_bytes)
     path = epath.Path(workdir) / "config.json"
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; pass the workdir of a parallax run")

@@ -119,10 +119,12 @@ def resolve_axis_sizes(mesh_config, num_devices: int, platform: str | None = Non
     if known > num_devices and (platform or jax.default_backend()) == "cpu":
         simulate = f"; only {devices} visible: on CPU, simulate {known} with --cpu_devices={known}"
     if inferred:
-        if num_devices % known:
-            raise ConfigError(
-                f"config.mesh.{inferred[0]}=-1: the other axes multiply to {known}, which does not divide "
-                f"the {devices}; make their product a divisor of {num_devices}{simulate}")
+        if num_devices % known:  # the axes set explicitly are what to change, not the one inferred
+            named = [f"{a}={s}" for a, s in sizes.items() if s not in (1, -1)]
+            what = (f"config.mesh.{named[0]}: does not divide" if len(named) == 1 else
+                    f"config.mesh ({','.join(named)}): their product {known} does not divide")
+            raise ConfigError(f"{what} the {devices} ({inferred[0]}=-1 takes the rest); make it a divisor of "
+                              f"{num_devices}{simulate}")
         sizes[inferred[0]] = num_devices // known
     elif known != num_devices:
         desc = ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"

@@ -124,8 +124,8 @@ def _arrow_table(path: str):
 
 
 def _check_field(path: str, kind: str, text_field: str) -> None:
-    """The first record of a jsonl / parquet / arrow input has `text_field`: a wrong field is an error
-    before anything is written."""
+    """Every record of a jsonl input (the columns of a parquet / arrow one) has `text_field`: a bad line is an
+    error naming `file:line` before anything is written."""
     if kind == "jsonl":
         with open(path, "rb") as f:
             for number, line in enumerate(f, 1):
@@ -136,9 +136,8 @@ def _check_field(path: str, kind: str, text_field: str) -> None:
                         raise ConfigError(f"{path}:{number}: not JSON ({e}); each line must be one JSON object") from None
                     if not isinstance(record, dict) or text_field not in record:
                         keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
-                        raise ConfigError(f"{path}:{number}: no {text_field!r} field (it has: {keys}); pass "
-                                          "--text_field=NAME")
-                    return
+                        raise ConfigError(f"{path}:{number}: no {text_field!r} field (it has: {keys}); fix the "
+                                          "line, or pass --text_field=NAME")
     elif kind in ("parquet", "arrow"):
         pa = _pyarrow(path)
         names = (pa.parquet.ParquetFile(path).schema_arrow.names if kind == "parquet" else
@@ -236,6 +235,7 @@ def read_unit(unit: Unit, text_field: str = "text") -> list[str]:
             try:
                 text = json.loads(line)[text_field]
             except (ValueError, KeyError, TypeError):
+                _check_field(path, "jsonl", text_field)  # names the file:line (the file changed since the plan)
                 raise ConfigError(f"{path}: a line in bytes [{unit.start}, {unit.stop}) is not a JSON object "
                                   f"with a {text_field!r} field: {line[:80]!r}") from None
             if text:
@@ -288,7 +288,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
     if shard_mb <= 0:
         raise ConfigError(f"--shard_mb={shard_mb}: must be > 0")
     pairs = parse_inputs(inputs)
-    tok = tok_lib.ByteTokenizer(256) if tokenizer in ("", "bytes") else tok_lib.load(tokenizer)  # bytes: eos 256
+    tok = tok_lib.ByteTokenizer(256) if tokenizer in ("", "bytes") else tok_lib.load(tokenizer, key="--tokenizer")
     if tok.eos_id is None:
         raise ConfigError(f"--tokenizer={tokenizer}: it has no eos token to end documents with; use a tokenizer "
                           "with one (train_tokenizer.py writes <|endoftext|>), or bytes")
@@ -302,11 +302,11 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
             "shard_mb": shard_mb, "inputs": [list(p) for p in pairs], "files": [list(f) for f in files],
             "units": [dataclasses.asdict(u) | {"paths": list(u.paths), "name": n} for u, n in zip(units, names)]}
     _claim(out_dir, plan, overwrite)
-    tok.copy_to(os.path.join(out_dir, "tokenizer"))
-    spec = os.path.join(out_dir, "tokenizer")  # what the workers load: the copy, hash for hash the same
     todo = [i for i, n in enumerate(names) if not shard_lib.committed(out_dir, n, dtype)]
     entries = {i: shard_lib.shard_entry(out_dir, names[i], dtype, tok.eos_id) | {"source": units[i].source}
-               for i in range(len(units)) if i not in todo}
+               for i in range(len(units)) if i not in todo}  # a damaged one fails here, before the copy below
+    tok.copy_to(os.path.join(out_dir, "tokenizer"))
+    spec = os.path.join(out_dir, "tokenizer")  # what the workers load: the copy, hash for hash the same
     if entries:
         log(f"prepare: {len(entries)} of {len(units)} shards already done in {out_dir}; continuing")
     total = sum(units[i].size for i in todo)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from parallax.generate import generate, prompt_kept
+from parallax.generate import check_sampling, generate, prompt_kept
 
 
 def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
@@ -65,6 +65,9 @@ def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int =
     from parallax.errors import ConfigError
     from parallax.sharding import activation_sharding
 
+    check_sampling(temperature, top_k, top_p, prefix="--")
+    if num_tokens < 0:
+        raise ConfigError(f"--tokens={num_tokens}: must be >= 0 (0: the run's train.sample_tokens)")
     split = sorted(a for a in ("seq", "pipe") if int((mesh or {}).get(a, 1)) > 1)
     if split:
         raise ConfigError(f"mesh {split[0]}={mesh[split[0]]}: decoding runs one token per row, with no sequence or "

@@ -240,8 +240,19 @@ def _is_sentencepiece(path: str) -> bool:
         return True
 
 
-def load(spec: str, eos_id: int | None = None) -> Tokenizer:
-    """The tokenizer `spec` names (see the module doc); `eos_id` is the byte tokenizer's optional eos."""
+def load(spec: str, eos_id: int | None = None, key: str = "config.data.tokenizer") -> Tokenizer:
+    """The tokenizer `spec` names (see the module doc); `eos_id` is the byte tokenizer's optional eos. `key`:
+    what the person typed to name it, which an error names (e.g. prepare_data.py's `--tokenizer`)."""
+    try:
+        return _load(spec, eos_id)
+    except ConfigError as e:
+        default = "config.data.tokenizer="
+        if key == default[:-1] or not str(e).startswith(default):
+            raise
+        raise ConfigError(f"{key}={str(e)[len(default):]}") from None
+
+
+def _load(spec: str, eos_id: int | None = None) -> Tokenizer:
     if spec in ("", "bytes"):
         return ByteTokenizer(eos_id)
     path = os.path.expanduser(spec)
@@ -257,7 +268,7 @@ def load(spec: str, eos_id: int | None = None) -> Tokenizer:
             return HFTokenizer(path)
         for name in ("tokenizer.model", "tokenizer.tiktoken"):
             if os.path.isfile(os.path.join(path, name)):
-                return load(os.path.join(path, name))
+                return _load(os.path.join(path, name))
         raise ConfigError(f"config.data.tokenizer={spec!r}: the directory holds no tokenizer.json, "
                           "tokenizer.model or tokenizer.tiktoken; pass the directory of an HF model or a file")
     if path.endswith(".json"):

@@ -96,6 +96,7 @@ def resolve_data(config):
     d, m = config.data, config.model
     if tok is None:
         if int(m.vocab_size) == 0:
+            _check_tokens_path(d)  # a mistyped path, not the tokenizer it would have held, is the thing to fix
             raise ConfigError("config.model.vocab_size=0 (from the tokenizer), but this corpus has none; set "
                               "data.tokenizer or model.vocab_size")
         return config, None
@@ -115,8 +116,18 @@ def resolve_data(config):
     return config, tok
 
 
+def _check_tokens_path(d) -> None:
+    """source='tokens': every path of `data.path` exists, else a ConfigError naming `config.data.path`."""
+    if d.source == "tokens":
+        try:
+            data_lib.check_token_paths(d.path)
+        except data_lib.DataError as e:
+            raise ConfigError(f"config.data.{e}") from None
+
+
 def make_dataset(config, tokenizer=None) -> data_lib.Dataset:
     d, t = config.data, config.train
+    _check_tokens_path(d)
     try:
         dataset = data_lib.make_dataset(
             d.source, d.path, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=t.seed,

@@ -83,8 +83,8 @@ def test_a_mesh_on_one_visible_device_names_cpu_devices(tmp_path):
                         env={**os.environ, "XLA_FLAGS": one_device}, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "config error: config.mesh.data=-1: the other axes multiply to 2, which does not divide the 1 device; make "
-        "their product a divisor of 1; only 1 device visible: on CPU, simulate 2 with --cpu_devices=2"], proc.stderr
+        "config error: config.mesh.fsdp=2: does not divide the 1 device (data=-1 takes the rest); make it a divisor "
+        "of 1; only 1 device visible: on CPU, simulate 2 with --cpu_devices=2"], proc.stderr
     assert not os.path.exists(tmp_path / "run")
     from parallax.mesh import resolve_axis_sizes
     with pytest.raises(ConfigError, match=r"^config.mesh \(fsdp=4\) has 4 devices but 2 are available; make the "

@@ -223,8 +223,9 @@ def test_bad_corpora_and_mixtures_are_one_line_errors_before_anything_is_written
     (tmp_path / "empty.txt").write_text("")
     refused(r"every file it matches is empty", [f"e={tmp_path}/empty.txt"], out, bpe)
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
-    refused(r"bad.jsonl:1: no 'text' field \(it has: body\); pass --text_field=NAME", [f"{tmp_path}/bad.jsonl"], out, bpe)
-    refused(r"config.data.tokenizer='/no/tok.json': no such file", [f"{tmp_path}/bad.jsonl"], out, "/no/tok.json")
+    refused(r"bad.jsonl:1: no 'text' field \(it has: body\); fix the line, or pass --text_field=NAME",
+            [f"{tmp_path}/bad.jsonl"], out, bpe)
+    refused(r"--tokenizer='/no/tok.json': no such file", [f"{tmp_path}/bad.jsonl"], out, "/no/tok.json")
 
     good = str(tmp_path / "good")
     prep.prepare(corpus["inputs"][:2], good, bpe, shard_mb=0.004, progress=False, log=lambda *_: None)

@@ -244,8 +244,9 @@ def test_token_positions_count_from_the_documents_first_token_in_the_row(tmp_pat
     (dict(source="text", vocab_size=128), r"vocab_size=128 is too small for source='text'.*>= 256"),
     (dict(source="synthetic", vocab_size=8), r"vocab_size=8 .* use >= 16"),
     (dict(source="text", path="/no/such/dir"), r"'/no/such/dir' is not a directory"),
-    (dict(source="tokens", path="x.uint16.bin"), r"needs eos_id .* pass eos_id="),
-    (dict(source="tokens", path="/no/such.uint16.bin", eos_id=0), r"does not exist"),
+    (dict(source="tokens", path=__file__), r"needs eos_id .* pass eos_id="),
+    (dict(source="tokens", path="/no/such.uint16.bin"), r"^path='/no/such.uint16.bin': no such token file"),
+    (dict(source="tokens", path="/no/shards"), r"^path='/no/shards': no such directory; pass a shard directory"),
     (dict(source="synthetic", eval_fraction=1.0), r"eval_fraction=1.0 must be in \[0, 1\)"),
 ])
 def test_bad_configs_raise_data_error_naming_the_fix(kwargs, match):

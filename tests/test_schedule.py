@@ -410,11 +410,11 @@ def test_a_schedule_without_ticks_has_no_bubble():
 def test_parse_costs_reads_every_kind_and_rejects_bad_entries_by_name():
     assert parse_costs("F=1, B=2.5,,W=0.5,BW=3,FB=2") == {"F": 1.0, "B": 2.5, "W": 0.5, "BW": 3.0, "FB": 2.0}
     assert parse_costs("") == {}
-    for bad in ("X=2", "F", "F:1"):
+    for bad in ("X=2", "F", "F:1", "F=fast", "W=-1"):
         with pytest.raises(ValueError) as e:
             parse_costs(f"B=1,{bad}")
         assert str(e.value) == (f"bad cost {bad!r}; write KIND=VALUE with KIND in F, B, W, BW, FB (an overlapped F "
-                                f"and backward pair, dualpipev)")
+                                f"and backward pair, dualpipev) and VALUE a number >= 0")
     with pytest.raises(ValueError) as e:
         simulate(make_schedule("1f1b", 2, 2), mode="sync")
     assert str(e.value) == "mode must be 'lockstep' or 'async', got 'sync'"

@@ -41,10 +41,14 @@ def parse_costs(text: str) -> dict:
     costs = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("F", "B", "W", "BW", "FB"):
-            raise ValueError(f"bad cost {item!r}; write KIND=VALUE with KIND in F, B, W, BW, FB (an overlapped "
-                             f"F and backward pair, dualpipev)")
-        costs[key.strip()] = float(value)
+        try:
+            number = float(value) if sep and key.strip() in ("F", "B", "W", "BW", "FB") else None
+        except ValueError:
+            number = None
+        if number is None or not number >= 0:
+            raise ValueError(f"bad cost {item!r}; write KIND=VALUE with KIND in F, B, W, BW, FB (an "
+                             f"overlapped F and backward pair, dualpipev) and VALUE a number >= 0")
+        costs[key.strip()] = number
     return costs
 
 
