@@ -141,7 +141,7 @@ def cases(draw) -> Case:
         fits = [m for m in (1, 2, 4, 8, 16) if m <= per_rank and per_rank % m == 0]
         enough = [m for m in fits if m >= kind.min_microbatches(pipe) and (not kind.ranks_divide_microbatches
                                                                              or m % pipe == 0)]
-        o["pipeline.microbatches"] = draw(st.sampled_from(enough if enough and draw(st.integers(0, 9)) else fits))
+        o["pipeline.microbatches"] = draw(st.sampled_from(enough if enough and not _rare(draw, 10) else fits))
         stages = pipe * virtual
         if draw(st.booleans()):
             o["pipeline.remat"] = True
@@ -150,7 +150,7 @@ def cases(draw) -> Case:
         if _rare(draw, 6):
             o["pipeline.layout"] = "auto"
     layers = [n for n in (2, 4, 8) if n % stages == 0] or [8]
-    num_layers = draw(st.sampled_from(layers[:2])) if draw(st.integers(0, 9)) else draw(st.sampled_from((3, 6)))
+    num_layers = draw(st.sampled_from((3, 6))) if _rare(draw, 10) else draw(st.sampled_from(layers[:2]))
     o["model.num_layers"] = num_layers
     if pipe == 1 and _rare(draw, 4):
         o["train.microbatches"] = 2  # gradient accumulation
