@@ -11,7 +11,7 @@ simulated devices on tiny shapes, and `check` holds it to one of two outcomes:
 The 1-device reference is cached per distinct model / optimizer config (`reference_key`), so many layouts
 share one compiled reference.
 
-    python tests/sweep.py --examples=200 --seed=S          # the long run: one line per example, a summary
+    python tests/sweep.py --examples=200 --seed=S          # the long run: one line per case, a summary
     python tests/sweep.py --config=configs/tiny.py --config.mesh.pipe=2 ...   # one case (a failure's line)
 
 `tests/test_sweep.py` runs a few examples of a fixed seed in CI. Run it from the checkout root; it sets the
@@ -111,8 +111,9 @@ def cases(draw) -> Case:
     else:
         left = DEVICES
         for axis in draw(st.permutations(MESH_AXES)):
-            weights = {"pipe": (3, 3, 1), "tensor": (3, 2, 1 if family == "gpt2" else 0), "seq": (3, 2, 1), "expert": (3, 2, 1) if family == "moe"
-                       else (6, 1, 0), "fsdp": (3, 2, 0), "replica": (7, 1, 0)}[axis]
+            weights = {"pipe": (3, 3, 1), "tensor": (3, 2, 1 if family == "gpt2" else 0), "seq": (3, 2, 1),
+                       "expert": (3, 2, 1) if family == "moe" else (6, 1, 0), "fsdp": (3, 2, 0),
+                       "replica": (7, 1, 0)}[axis]
             options = [(d, w) for d, w in zip((1, 2, 4), weights) if left % d == 0 and w]
             sizes[axis] = _pick(draw, [d for d, _ in options], *[w for _, w in options])
             left //= sizes[axis]
@@ -213,7 +214,8 @@ def mode_of(config) -> str:
     gradient delay, from the second step) or finite (bfloat16, DiLoCo: finite losses, exact resume)."""
     if str(config.model.dtype) != "float32" or int(config.mesh.replica) > 1:
         return "finite"
-    if int(config.mesh.pipe) > 1 and KINDS.get(str(config.pipeline.schedule)) and KINDS[config.pipeline.schedule].steady:
+    kind = KINDS.get(str(config.pipeline.schedule))
+    if int(config.mesh.pipe) > 1 and kind is not None and kind.steady:
         return "delayed"
     return "parity"
 
@@ -335,7 +337,8 @@ def _train_and_compare(case, config) -> Outcome:
             return Outcome("ok", f"losses {_fmt(losses)} eval {first.eval_loss:.4f}", mode=mode)
         ref_loss, ref_grads, ref_losses = reference(reference_config(config, delayed=mode == "delayed"))
         if mode == "delayed":
-            np.testing.assert_allclose(losses, ref_losses[:1], rtol=TOL, err_msg="2bw step 2 vs delayed 1-device step 1")
+            np.testing.assert_allclose(losses, ref_losses[:1], rtol=TOL,
+                                       err_msg="2bw step 2 vs delayed 1-device step 1")
             return Outcome("ok", f"loss {losses[0]:.6f} = delayed 1-device", mode=mode)
         trainer = first.trainer
         params = trainer.init_state()["params"]
@@ -356,29 +359,76 @@ def _fmt(xs) -> str:
 
 # ---------------------------------------------------------------- running many
 
-def run_sweep(examples: int, seed_value: int, out=print) -> list[tuple[Case, Outcome]]:
-    """`examples` cases drawn by hypothesis from `seed_value` (no shrinking, no database), each checked and
-    printed as it ends; returns (case, outcome) pairs, duplicates of an earlier draw skipped."""
-    results, seen = [], set()
+def run_sweep(examples: int, seed_value: int, out=print, isolate=False, first=1) -> list[tuple[Case, Outcome]]:
+    """Distinct cases `first` .. `first + examples - 1` drawn by hypothesis from `seed_value` (no shrinking, no
+    database), each checked and printed as it ends; returns (case, outcome) pairs (a draw equal to an earlier
+    one is skipped: hypothesis repeats about half; its first draw is always the simplest, plain data
+    parallelism). `isolate`: each case that the plan accepts runs in its own process
+    (`check_in_subprocess`), so that a crash or a hang of XLA is one failure, not the end of the sweep."""
+    results, seen = [], []
+    last = first + examples - 1
 
     @seed(seed_value)
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+    @settings(max_examples=10 * last, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(case=cases())
     def run(case):
-        if case in seen:
+        if case in seen or len(seen) >= last:
             return
-        seen.add(case)
-        outcome = check(case)
+        seen.append(case)
+        if len(seen) < first:
+            return
+        outcome = check_in_subprocess(case) if isolate else check(case)
         results.append((case, outcome))
-        out(f"[{len(results)}] {outcome.status:7s} {outcome.seconds:6.1f}s {outcome.mode:7s} {case.describe()}"
+        out(f"[{len(seen)}] {outcome.status:7s} {outcome.seconds:6.1f}s {outcome.mode:7s} {case.describe()}"
             + (f"  | {outcome.detail}" if outcome.detail else ""))
 
     run()
     return results
 
 
-def summary(results, seed_value, examples) -> str:
+def check_in_subprocess(case: Case, timeout=600) -> Outcome:
+    """`check` in a process of its own (the plan's refusals in this one: they compile nothing). A process that
+    dies or hangs is a failure; it is run once more without the persistent compilation cache, and the
+    failure says whether that run passed (XLA:CPU executables loaded from the cache have computed wrong
+    values and hung in collectives: tests/conftest.py)."""
+    import json
+    import subprocess
+
+    start = time.perf_counter()
+    try:
+        make_plan(case.config(), DEVICES)
+    except ConfigError as e:
+        return dataclasses.replace(_one_line(e), seconds=time.perf_counter() - start)
+    except Exception:  # noqa: BLE001 -- the child reports it
+        pass
+
+    def child(env):
+        command = [sys.executable, os.path.abspath(__file__), f"--config={case.file}", *case.flags(fixed=False),
+                   "--json"]
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return Outcome("FAIL", f"no result in {timeout} s (a hang)")
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if lines:
+            return Outcome(**json.loads(lines[-1]))
+        fatal = [line for line in done.stderr.splitlines() if line[:1] in "FE" and "]" in line
+                 or "Error" in line or "Check failed" in line]
+        return Outcome("FAIL", f"the process died (rc {done.returncode}): {(fatal or ['?'])[-1][:300]}")
+
+    outcome = child(dict(os.environ))
+    if outcome.status == "FAIL" and outcome.detail.startswith(("the process died", "no result")):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+        again = child({**env, "PARALLAX_TEST_NO_CACHE": "1"})
+        outcome.detail += (f"; without the compilation cache: {again.status}"
+                           + (f" ({again.detail[:200]})" if again.status == "FAIL" else ""))
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def summary(results, seed_value, examples, first=1) -> str:
     counts = {s: sum(o.status == s for _, o in results) for s in ("refused", "ok", "FAIL")}
     ran = [o for _, o in results if o.status != "refused"]
     modes = {m: sum(o.mode == m for _, o in results if o.status == "ok") for m in ("parity", "delayed", "finite")}
@@ -387,11 +437,13 @@ def summary(results, seed_value, examples) -> str:
              f"{counts['ok']} passed ({', '.join(f'{n} {m}' for m, n in modes.items())}), {counts['FAIL']} failed; "
              f"{total:.0f} s, {total / max(1, len(results)):.1f} s per example "
              f"({sum(o.seconds for o in ran) / max(1, len(ran)):.1f} s per run, "
-             f"{sum(o.seconds for _, o in results if o.status == 'refused') / max(1, counts['refused']):.2f} s per refusal)"]
+             f"{sum(o.seconds for _, o in results if o.status == 'refused') / max(1, counts['refused']):.2f} s "
+             "per refusal)"]
     for case, outcome in results:
         if outcome.status == "FAIL":
             lines.append(f"FAIL: {outcome.detail}\n  reproduce: {case.command()}\n  (or the whole run: "
-                         f"python tests/sweep.py --examples={examples} --seed={seed_value})")
+                         f"python tests/sweep.py --examples={examples} --seed={seed_value}"
+                         + (f" --first={first}" if first != 1 else "") + ")")
     return "\n".join(lines)
 
 
@@ -401,7 +453,11 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first", type=int, default=1, help="check the distinct draws from this one on (1: all)")
     parser.add_argument("--config", help="check one case: a config file of configs/ and --config.KEY=VALUE flags")
+    parser.add_argument("--in_process", action="store_true", help="run every case in this process (faster: the "
+                        "1-device references are shared; a crash of XLA ends the sweep)")
+    parser.add_argument("--json", action="store_true", help="one case: print its outcome as JSON")
     args, rest = parser.parse_known_args(argv)
     sys.path.insert(0, HERE)
     if args.config:  # one case, as a failure's line prints it
@@ -414,10 +470,15 @@ def main(argv):
                 overrides.append((key, value))
         case = Case(family, tuple(overrides))
         outcome = check(case)
+        if args.json:
+            import json
+            print(json.dumps(dataclasses.asdict(outcome)), flush=True)
+            return 0
         print(f"{outcome.status} {outcome.seconds:.1f}s {outcome.mode} {case.describe()}  | {outcome.detail}")
         return 0 if outcome.status != "FAIL" else 1
-    results = run_sweep(args.examples, args.seed, out=lambda line: print(line, flush=True))
-    print(summary(results, args.seed, args.examples), flush=True)
+    results = run_sweep(args.examples, args.seed, out=lambda line: print(line, flush=True),
+                        isolate=not args.in_process, first=args.first)
+    print(summary(results, args.seed, args.examples, args.first), flush=True)
     return 0 if all(o.status != "FAIL" for _, o in results) else 1
 
 
