@@ -57,6 +57,38 @@ def test_initialize_arguments_from_config_and_environment():
             distributed.initialize_kwargs(_dist(**kw), env={})
 
 
+def test_cluster_detection_edges_and_the_dist_errors_name_the_fix():
+    assert distributed._cluster_from_env(SLURM) == "slurm"
+    assert distributed._cluster_from_env({**SLURM, "SLURM_NTASKS": ""}) is None  # an empty count is one task
+    assert distributed._cluster_from_env({"TPU_WORKER_HOSTNAMES": "w0, w1"}) == "tpu"
+    assert distributed._cluster_from_env({"TPU_WORKER_HOSTNAMES": "w0, "}) is None
+    # one process with a coordinator is a valid (if pointless) cluster; ids alone are not
+    assert distributed.initialize_kwargs(_dist(coordinator="h:1", num_processes=1, process_id=0), env={})
+    fixes = {"valid values are auto, jax, off": dict(detect="slurm"),
+             "expected HOST:PORT of process 0, e.g. localhost:12345": dict(coordinator="h"),
+             "set the number of processes (every process gets the same value)": dict(coordinator="h:1"),
+             "(each process gets its own id; 0 runs the coordinator)": dict(coordinator="h:1", num_processes=2),
+             "set coordinator=HOST:PORT of process 0 too, or unset both": dict(num_processes=1),
+             "process_id=0 without config.dist.coordinator": dict(process_id=0)}
+    for fix, kw in fixes.items():
+        with pytest.raises(ConfigError) as e:
+            distributed.initialize_kwargs(_dist(**kw), env={})
+        assert fix in str(e.value), (kw, str(e.value))
+
+
+def test_key_value_reads_treat_only_a_missing_key_as_none():
+    class Store:
+        def __init__(self, error):
+            self.error = error
+
+        def key_value_try_get(self, key):
+            raise self.error
+    for missing in ("NOT_FOUND: Config key x", "key x Not Found in the store"):
+        assert distributed._try_get(Store(RuntimeError(missing)), "x") is None
+    with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+        distributed._try_get(Store(RuntimeError("UNAVAILABLE: Socket closed")), "x")
+
+
 def test_initialize_passes_the_config_to_jax_and_starts_the_watchdog(monkeypatch):
     """What `initialize` does with `initialize_kwargs`' answer, with jax's side recorded: nothing for one
     process; jax.distributed.initialize with the arguments (JAX's own heartbeat 2 x + 5 s behind the
