@@ -325,6 +325,26 @@ def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_co
     assert len({t.hash for t in loaded + [sp, tk]}) == 4
 
 
+def test_a_committed_shard_reads_back_as_its_manifest_entry_and_a_misfit_index_is_refused(tmp_path):
+    """`shard_entry` (what a restarted preparation reads back): the entry `write_shard` returned; an index
+    that does not fit its tokens, each way it can fail alone, is a one-line ShardError with the fix."""
+    d = str(tmp_path)
+    docs = [[5, 9, 2], [7, 2], [11, 3, 3, 2]]  # eos 2 ends each document
+    written = shard_lib.write_shard(d, "s", docs, "uint16")
+    assert shard_lib.shard_entry(d, "s", "uint16", eos_id=2) == written
+    assert (written["lowest"], written["highest"], written["tokens"], written["documents"]) == (2, 11, 9, 3)
+    assert shard_lib.write_shard(d, "empty", [], "uint16") == shard_lib.shard_entry(d, "empty", "uint16", 2)
+    assert shard_lib.shard_entry(d, "empty", "uint16", 2)["lowest"] == 0 == shard_lib.shard_entry(
+        d, "empty", "uint16", 2)["highest"]
+    index = os.path.join(d, shard_lib.docs_file("s"))
+    for starts, eos in (([1, 3, 5], 2), ([0, 3, 9], 2), ([0, 3, 10], 2), ([0, 3, 5], 7)):
+        np.save(index, np.asarray(starts, np.int64))  # the name ends in .npy: written as named
+        with pytest.raises(ConfigError, match=r"shard 's' in .* is damaged \(its index does not fit its tokens\); "
+                                              r"delete its files and rerun to write it again") as e:
+            shard_lib.shard_entry(d, "s", "uint16", eos_id=eos)
+        assert "\n" not in str(e.value)
+
+
 def test_a_shard_damaged_in_place_stops_training_before_its_batch_reaches_the_model(tmp_path):
     """A shard whose bytes changed after it was written (same size: every stat agrees with the manifest)
     trained on: the read of the first batch refuses it with one line naming the file (a ConfigError: exit

@@ -344,7 +344,8 @@ def test_balanced_chunks_are_one_tile_each_where_tiles_divide_twice_else_two():
         for block in (0, 1, 4, 8, 16, 32, 64, 128):
             tiles = local_len // block if block else 0
             want = tiles if block and local_len % block == 0 and tiles >= 2 else 2
-            assert sequence.balanced_chunks(local_len, block) == want, (local_len, block)
+            got = sequence.balanced_chunks(local_len, block)
+            assert got == want and type(got) is int, (local_len, block, got)
 
 
 def test_usp_degree_is_the_largest_proper_divisor_the_heads_allow():
