@@ -20,8 +20,7 @@ LAYOUTS = [
     ("llama", dict(pipe=2, seq=2, tensor=2, attention="ring")),  # k|v shifted by grouped all-to-alls in stages
     ("llama", dict(pipe=2, seq=4, attention="usp", zero_seq=True)),  # Ulysses pairs x ring over 2, in stages
     # (plain Ulysses in stages in bf16: usp's pairs are its all-to-alls; tests/test_pipeline_train.py in fp32)
-    ("llama", dict(pipe=2, fsdp=2, data=2)),
-    ("gpt2", dict(pipe=2, tensor=2, fsdp=2)),
+    ("gpt2", dict(pipe=2, tensor=2, fsdp=2)),  # (FSDP in stages in bf16: here; plain pipe 2 x fsdp 2: dropped for CI time)
 ]
 
 

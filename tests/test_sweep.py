@@ -1,7 +1,7 @@
 """A few configurations drawn by the config-space sweep (`tests/sweep.py`) from a fixed seed: each is refused
 with one line, or trains, evaluates, checkpoints, resumes exactly and (fp32) matches one device. The long run
 is `python tests/sweep.py --examples=200 --seed=S` (docs/testing.md); this one is
-`python tests/sweep.py --in_process --seed=2 --first=6 --examples=2`."""
+`python tests/sweep.py --in_process --seed=2 --first=7 --examples=1`."""
 
 import pytest
 from hypothesis import given, settings
@@ -10,11 +10,12 @@ import sweep
 from parallax.errors import ConfigError
 from parallax.plan import make_plan
 
-# Distinct draws 6-7 of seed 2 (hypothesis's first draws are the simplest, plain data parallelism): MoE on a
-# v_half pipeline over tensor x seq (usp) with ragged dispatch in bf16 (finite, exact resume); Llama over seq 4
-# (usp, Ulysses degree 2) with accumulation, MLP chunks and a gradient delay (1-device parity). Draws 5-8 (two
-# refusals more) took 104 s with a cold compilation cache, over CI's budget; these two ~70 s, one core.
-SEED, FIRST, EXAMPLES = 2, 6, 2
+# Distinct draw 7 of seed 2 (hypothesis's first draws are the simplest, plain data parallelism): Llama over
+# seq 4 (usp, Ulysses degree 2) with accumulation, MLP chunks and a gradient delay (1-device parity). Draw 6
+# (MoE on a v_half pipeline over tensor x seq, ragged dispatch, bf16) ran here too until CI's budget: draws 6-7
+# took ~80 s with a cold compilation cache on one core; `python tests/sweep.py --in_process --seed=2
+# --first=6 --examples=2` runs both.
+SEED, FIRST, EXAMPLES = 2, 7, 1
 
 
 @pytest.mark.slow
