@@ -443,3 +443,30 @@ def test_the_tokenizer_sets_eos_and_vocab_and_a_disagreeing_config_is_a_one_line
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "config error: --inputs main=/nonexistent/*.txt: matches no files; fix the pattern (globs need quotes, ** "
         "for subdirectories)"], r.stderr
+
+
+def test_a_trained_bpe_loads_in_transformers_and_bytes_decode_as_utf8_does(tmp_path):
+    """train_bpe's smallest vocabulary (256 bytes + eos), retrained into the same directory; transformers
+    reads its tokenizer_config.json (eos, no bos, no length bound); the byte tokenizer decodes as Python's
+    UTF-8 decoder with replacement, leaving out ids past the bytes (eos); what `load` takes for a
+    SentencePiece model versus a tiktoken file."""
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match=r"--vocab_size=256: a byte-level BPE needs at least 257 ids"):
+        tok_lib.train_bpe(["abc"], 256, str(tmp_path / "small"), show_progress=False)
+    texts = ["the cat sat on the mat", "def f(x): return x"] * 5
+    for _ in range(2):  # a second run into the same directory overwrites it
+        bpe = tok_lib.train_bpe(texts, 257, str(tmp_path / "bpe"), show_progress=False)
+    assert bpe.vocab_size == 257 and bpe.eos_id == 0 and bpe.decode(bpe.encode("the cat")) == "the cat"
+    bpe = tok_lib.train_bpe(texts, 270, str(tmp_path / "bpe"), show_progress=False)  # the corpus has 280 in it
+    assert bpe.vocab_size == 270
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))
+    assert hf.is_fast and hf.eos_token == "<|endoftext|>" and hf.bos_token is None
+    assert hf.model_max_length >= 1 << 30 and hf.encode("the cat", add_special_tokens=False) == bpe.encode("the cat")
+    raw = [0, 104, 105, 256, 255, 195]  # a NUL, "hi", an eos id, a stray byte, half a 2-byte character
+    assert tok_lib.ByteTokenizer(256).decode(raw) == bytes([0, 104, 105, 255, 195]).decode("utf-8", "replace")
+    (tmp_path / "a.tiktoken").write_bytes(b"YWI= 0\nYw== 1\n")
+    (tmp_path / "b.model").write_bytes(b"\x0a\x0b\x08\x01" + bytes(range(128, 250)))  # protobuf-like binary
+    (tmp_path / "c.model").write_bytes(b"YWI= 0 extra\nYw== 1\n")  # not two fields: not tiktoken
+    (tmp_path / "d.model").write_bytes(b"\nYWI= 0\n")  # an empty first line: not tiktoken
+    assert [tok_lib._is_sentencepiece(str(tmp_path / n)) for n in ("a.tiktoken", "b.model", "c.model", "d.model")] \
+        == [False, True, True, True]
