@@ -43,7 +43,12 @@ MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.validate.*' 'parall
 	'parallax.data.x*Dataset*_offset__*' 'parallax.data.x*Dataset*batch__*' 'parallax.data.x*Dataset*epoch__*' \
 	'parallax.checkpoint.*' 'parallax.parallel.vocab.*' \
 	'parallax.optim.x_lr_schedule__*' 'parallax.optim.x__is_matrix__*' 'parallax.optim.x_decay_mask__*' \
-	'parallax.optim.x_muon_dims__*' 'parallax.optim.x_resolve__*'
+	'parallax.optim.x_muon_dims__*' 'parallax.optim.x_resolve__*' \
+	'parallax.corpus.*' 'parallax.tokenizer.*' 'parallax.distributed.x_*' \
+	'parallax.generate.x_sample_logits__*' 'parallax.generate.x__pad_prompts__*' 'parallax.generate.x__batch_shards__*' \
+	'parallax.parallel.sequence.x_check_sequence_parallel__*' 'parallax.parallel.sequence.x_usp_degree__*' \
+	'parallax.parallel.sequence.x_*order__*' 'parallax.parallel.sequence.x_*layout__*' \
+	'parallax.parallel.sequence.x_balanced_chunks__*' 'parallax.parallel.sequence.x_attention_work__*'
 MUTATION_JOBS ?= 2
 
 mutation: $(STAMP)

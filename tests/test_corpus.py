@@ -470,3 +470,9 @@ def test_a_trained_bpe_loads_in_transformers_and_bytes_decode_as_utf8_does(tmp_p
     (tmp_path / "d.model").write_bytes(b"\nYWI= 0\n")  # an empty first line: not tiktoken
     assert [tok_lib._is_sentencepiece(str(tmp_path / n)) for n in ("a.tiktoken", "b.model", "c.model", "d.model")] \
         == [False, True, True, True]
+
+
+def test_the_token_dtype_holds_every_id_of_the_vocabulary():
+    for vocab, want in ((256, "uint16"), (1 << 16, "uint16"), ((1 << 16) + 1, "uint32"), (200_000, "uint32")):
+        assert shard_lib.dtype_for(vocab) == want, vocab
+        assert np.iinfo(shard_lib.DTYPES[want]).max >= vocab - 1  # the largest id fits
