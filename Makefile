@@ -48,13 +48,20 @@ MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.validate.*' 'parall
 	'parallax.generate.x_sample_logits__*' 'parallax.generate.x__pad_prompts__*' 'parallax.generate.x__batch_shards__*' \
 	'parallax.parallel.sequence.x_check_sequence_parallel__*' 'parallax.parallel.sequence.x_usp_degree__*' \
 	'parallax.parallel.sequence.x_*order__*' 'parallax.parallel.sequence.x_*layout__*' \
-	'parallax.parallel.sequence.x_balanced_chunks__*' 'parallax.parallel.sequence.x_attention_work__*'
+	'parallax.parallel.sequence.x_balanced_chunks__*' 'parallax.parallel.sequence.x_attention_work__*' \
+	'parallax.prepare.*' 'parallax.data.x_parse_mixture__*' 'parallax.data.x__mixture_slot__*' \
+	'parallax.data.x*Dataset*_mixture_row__*' 'parallax.data.x__shard_streams__*' 'parallax.data.x__tail_cut__*' \
+	'parallax.data.x*Mixture*' 'parallax.data.x_check_source__*' 'parallax.harness.*' \
+	'parallax.steps.diloco.x__fit_spec__*' 'parallax.steps.diloco.x*DilocoPath*mean_pseudo_grad__*' \
+	'parallax.steps.diloco.x*DilocoPath*sync__*' 'parallax.steps.diloco.x*DilocoPath*_part__*' \
+	'parallax.steps.diloco.x*DilocoPath*_merge__*' 'parallax.steps.diloco.x*DilocoPath*_due__*' \
+	'parallax.steps.diloco.x*DilocoPath*step_kind__*'
 MUTATION_JOBS ?= 2
 
 mutation: $(STAMP)
 	$(PY) -m pip install -q mutmut
 	rm -rf mutants
-	$(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS) || true
+	PARALLAX_TEST_CACHE=$(CURDIR)/mutants/.test-cache $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS) || true
 	$(VENV)/bin/mutmut results --all true | grep -v ': not checked' > mutants/all.txt || true
 	sed -E 's/^ *([a-z_.]+)\.x.*: (.*)$$/\1 \2/' mutants/all.txt | sort | uniq -c > mutation-report.txt
 	grep -v ': killed' mutants/all.txt >> mutation-report.txt || true

@@ -319,6 +319,8 @@ def _train_and_compare(case, config) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="sweep-") as workdir:
         first = train_and_evaluate(config.copy_and_resolve_references(), workdir, devices=jax.devices(),
                                    log=lambda *_: None)
+        if first.preempted:  # the run caught a SIGTERM / SIGINT meant for the sweep: stop here, not a FAIL
+            raise KeyboardInterrupt(f"case stopped by signal {first.stop_signal} (a preemption); sweep ends")
         losses = [r["loss"] for r in first.history if "loss" in r]
         assert [r["step"] for r in first.history] == [1, 2], f"logged steps {[r['step'] for r in first.history]}"
         want = 1 if mode == "delayed" else 2  # 2bw's first step completes no batch

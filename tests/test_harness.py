@@ -4,7 +4,9 @@ multiple-choice, generation and perplexity tasks (YAML over jsonl in tmp_path: n
 
 import json
 import os
+import pathlib
 import random
+import shutil
 
 import jax
 import numpy as np
@@ -30,7 +32,15 @@ WORDS = "the cat sat on a mat and dog ate hat".split()
 def workdir(tmp_path_factory):
     from parallax.train import train_and_evaluate
 
-    root = tmp_path_factory.mktemp("harness")
+    cache = os.environ.get("PARALLAX_TEST_CACHE")  # `make mutation` sets it: one trained run for all mutants
+    if cache and os.path.exists(os.path.join(cache, "harness", "trained")):
+        return os.path.join(cache, "harness", "run")
+    if cache:
+        root = pathlib.Path(cache) / "harness"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    else:
+        root = tmp_path_factory.mktemp("harness")
     rng = random.Random(0)
     (root / "text").mkdir()
     for i in range(8):
@@ -42,6 +52,7 @@ def workdir(tmp_path_factory):
     config.train.update(steps=40, checkpoint_every=40, eval_every=0, log_every=10, global_batch_size=4)
     config.optim.update(lr=1e-2, warmup_steps=0)  # enough to learn the byte statistics: scores far from uniform
     train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1], log=lambda *_: None)
+    (root / "trained").touch()
     return str(root / "run")
 
 
