@@ -171,7 +171,8 @@ def test_a_shard_directory_reads_as_the_token_file_of_the_same_documents(tmp_pat
                 np.testing.assert_array_equal(a[key], b[key], err_msg=f"{split} step {step} {key}")
 
 
-def test_mixture_shares_follow_the_weights_and_per_source_rows_stay_in_their_source(tmp_path):
+def _mixture_corpus(tmp_path):
+    """Shards of three sources (ids 0-49, 100-149, 200-249; 40 documents each) and a fourth of one document."""
     rng = np.random.default_rng(0)
     os.makedirs(tmp_path / "mix")
     tok = tok_lib.ByteTokenizer(256)
@@ -187,6 +188,10 @@ def test_mixture_shares_follow_the_weights_and_per_source_rows_stay_in_their_sou
     with open(tmp_path / "mix" / shard_lib.MANIFEST, "w") as f:
         json.dump(prep._manifest(tok, "uint16", [("web", "-"), ("code", "-"), ("math", "-"), ("one", "-")],
                                  entries), f)
+
+
+def test_mixture_shares_follow_the_weights_and_per_source_rows_stay_in_their_source(tmp_path):
+    _mixture_corpus(tmp_path)
     weights = {"web": 0.6, "code": 0.3, "math": 0.1}
     for sampler in ("random", "epoch"):
         ds = data_lib.make_dataset("tokens", str(tmp_path / "mix"), seq_len=8, global_batch_size=100, seed=1,
@@ -208,6 +213,41 @@ def test_mixture_shares_follow_the_weights_and_per_source_rows_stay_in_their_sou
         assert ds.streams["eval"].streams[2] is None and ds.mixture_sources == ("web", "code")
         assert set(ds.row_sources(0, "eval")) == {"web", "code"} and "one" in ds.row_sources(0)
         assert ds.batch(0, "eval")["inputs"].shape == (100, 8)
+
+
+def test_the_epoch_sampler_deals_exact_shares_and_reads_each_sources_windows_once_per_epoch(tmp_path):
+    """Epoch sampler over a mixture, against counts by hand: of rows 0..g (over steps), source k has taken
+    its weight's share to within one row (the random sampler drifts by more), and the windows a source reads
+    are a permutation of its windows, epoch after epoch (no window twice before all were read). Weights
+    given unnormalised (2:1:1)."""
+    _mixture_corpus(tmp_path)
+    kw = dict(seq_len=32, global_batch_size=16, seed=3, vocab_size=300, mixture="web=2,code=1,math=1")
+    ds = data_lib.make_dataset("tokens", str(tmp_path / "mix"), sampler="epoch", **kw)
+    mixture, share = ds.streams["train"], {"web": 0.5, "code": 0.25, "math": 0.25}
+    rows = [ds._mixture_row(mixture, step, "train", r) for step in range(60) for r in range(16)]
+    counts = dict.fromkeys(share, 0)
+    for g, (k, _) in enumerate(rows):
+        counts[mixture.names[k]] += 1
+        for name, w in share.items():
+            assert abs(counts[name] - (g + 1) * w) <= 1, (g, counts)
+    for k, name in enumerate(mixture.names):
+        n_windows = data_lib._num_windows(len(mixture.streams[k]), 32)
+        starts = [start for j, start in rows if j == k]
+        assert len(starts) >= 2 * n_windows, (name, len(starts), n_windows)
+        for e in range(2):  # two whole epochs of this source
+            epoch = starts[e * n_windows:(e + 1) * n_windows]
+            assert sorted(epoch) == [32 * i for i in range(n_windows)], (name, e)
+        assert starts[:n_windows] != starts[n_windows:2 * n_windows]  # each epoch in its own order
+    drawn = data_lib.make_dataset("tokens", str(tmp_path / "mix"), sampler="random", **kw)
+    sources = [s for step in range(60) for s in drawn.row_sources(step)]
+    drift = max(abs(sources[:g + 1].count(n) - (g + 1) * w) for g in range(len(sources)) for n, w in share.items())
+    assert drift > 1, drift  # the random sampler is not the epoch sampler
+    assert abs(sources.count("web") / len(sources) - 0.5) < 0.05  # but draws by the normalised weights
+    only_one = data_lib.make_dataset("tokens", str(tmp_path / "mix"), sampler="epoch",
+                                     **{**kw, "seq_len": 8, "mixture": "one=1"})  # one document: no eval tail
+    with pytest.raises(data_lib.DataError, match=r"^no source of this mixture has documents in the 'eval' split; "
+                                                 r"raise eval_fraction$"):
+        only_one.batch(0, "eval")
 
 
 def test_bad_corpora_and_mixtures_are_one_line_errors_before_anything_is_written(corpus, tmp_path):
