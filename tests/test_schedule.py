@@ -5,6 +5,8 @@ import pathlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from parallax.pipeline.render import render_png, render_summary, render_text
 from parallax.pipeline.schedule import (B, BW, F, IDLE, SCHEDULES, W, Schedule, ScheduleError,
@@ -512,6 +514,39 @@ def test_circular_colouring_uses_as_few_colours_as_evenly_spaced_intervals_need(
                 assert not {t % 16 for t in busy[i]} & {t % 16 for t in busy[j]}
     with pytest.raises(ScheduleError, match="held for 17 ticks, longer than the window of 16"):
         circular_colouring([list(range(17))], 16)
+
+
+def _max_overlap(busy, period):
+    return max(sum(t in {u % period for u in b} for b in busy) for t in range(period))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(4, 24).flatmap(lambda period: st.tuples(st.just(period), st.lists(
+    st.tuples(st.integers(0, period - 1), st.integers(1, period)), min_size=1, max_size=10))))
+def test_circular_colouring_is_proper_and_optimal_where_no_interval_crosses_the_cut(drawn):
+    """Random intervals (start, length) on a circle: no two items sharing a tick share a colour, the
+    colours are 0..C-1, and C is at least the most items live at one tick; where no interval wraps past
+    the end (an interval graph on a line) C equals that maximum, the optimum (by hand: the overlap count)."""
+    period, spans = drawn
+    busy = [list(range(a, a + n)) for a, n in spans]
+    colour = circular_colouring(busy, period)
+    for i in range(len(busy)):
+        for j in range(i):
+            if colour[i] == colour[j]:
+                assert not {t % period for t in busy[i]} & {t % period for t in busy[j]}, (i, j, colour)
+    assert sorted(set(colour)) == list(range(len(set(colour))))
+    assert len(set(colour)) >= _max_overlap(busy, period)
+    line = [b for b in busy if b[-1] < period]  # the ones that do not wrap
+    if line:
+        assert len(set(circular_colouring(line, period))) == _max_overlap(line, period)
+
+
+def test_circular_colouring_keeps_greedy_where_round_robin_needs_more():
+    """Uneven intervals where the round robin in start order clashes at every C below the item count but
+    greedy does not: a long interval beside short disjoint ones (2 colours, not 4)."""
+    busy = [list(range(0, 8)), [0], [2], [4]]
+    colour = circular_colouring(busy, 8)
+    assert len(set(colour)) == 2 and colour[1] == colour[2] == colour[3] != colour[0]
 
 
 def test_render_png_of_2bw_draws_its_first_steps(tmp_path):
