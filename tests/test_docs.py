@@ -1,6 +1,7 @@
 """The docs' figures that come from the code are what the code prints now: the pipeline page's simulated
-tables and timelines, the README's bubbles, the tick counts beside the benchmark's times, and the tables of
-defaults and flags. Each failure names the command that prints the page's new figures. No compile."""
+tables and timelines, the README's bubbles, the tick counts beside the benchmark's times, the tables of
+defaults and flags, and the count of bad inputs. A failure says where the page's new figures come from.
+Nothing is compiled: a few seconds."""
 import pathlib
 import re
 
@@ -89,3 +90,10 @@ def test_parallelism_pages_platform_flags_are_the_ones_set():
     for platform, label in (("tpu", "TPU (all)"), ("gpu", "GPU")):
         variable, flags = PLATFORM_FLAGS[platform]
         assert rows[label] == [f"`{variable}`", f"`{' '.join(flags)}`"], platform
+
+
+def test_testing_pages_count_of_bad_inputs_is_the_tables():
+    from test_bad_inputs import CASES
+
+    m = re.search(r"a table of (\d+) bad command lines", (DOCS / "testing.md").read_text())
+    assert m and int(m.group(1)) == len(CASES), "docs/testing.md: the rows of tests/test_bad_inputs.py's CASES"
