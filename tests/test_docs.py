@@ -1,6 +1,6 @@
 """The docs' figures that come from the code are what the code prints now: the pipeline page's simulated
 tables and timelines, the README's bubbles, the tick counts beside the benchmark's times, the tables of
-defaults and flags, and the count of bad inputs. A failure says where the page's new figures come from.
+defaults and flags, the count of bad inputs and the quickstart model's size. A failure says where the page's new figures come from.
 Nothing is compiled: a few seconds."""
 import pathlib
 import re
@@ -97,3 +97,19 @@ def test_testing_pages_count_of_bad_inputs_is_the_tables():
 
     m = re.search(r"a table of (\d+) bad command lines", (DOCS / "testing.md").read_text())
     assert m and int(m.group(1)) == len(CASES), "docs/testing.md: the rows of tests/test_bad_inputs.py's CASES"
+
+
+def test_the_quickstart_models_parameter_counts_are_the_plans():
+    """The quickstart model's size where the pages state it (what `launch/train.py` prints in its first line),
+    and data.md's same model over a BPE of 4,096 ids."""
+    from parallax.defaults import load_config_file
+    from parallax.plan import make_plan
+
+    config = load_config_file(str(DOCS.parent / "configs" / "quickstart.py"))
+    size = f"{make_plan(config, 1).num_params / 1e6:.2f}M"
+    for page in ("README.md", "docs/getting-started.md", "docs/configs.md", "docs/diloco.md"):
+        assert f"{size}-parameter" in (DOCS.parent / page).read_text() or f"{size} parameters" in (
+            DOCS.parent / page).read_text(), (page, size)
+    config.model.vocab_size = 4096
+    size = f"{make_plan(config, 1).num_params / 1e6:.2f}M"
+    assert f"{size}-parameter" in (DOCS / "data.md").read_text(), size
