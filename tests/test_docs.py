@@ -1,7 +1,7 @@
 """The docs' figures that come from the code are what the code prints now: the pipeline page's simulated
 tables and timelines, the README's bubbles, the tick counts beside the benchmark's times, the tables of
-defaults and flags, the count of bad inputs and the quickstart model's size. A failure says where the page's new figures come from.
-Nothing is compiled: a few seconds."""
+defaults and flags, the count of bad inputs and the quickstart model's size. A failure says where the
+page's new figures come from. Nothing is compiled: a few seconds."""
 import pathlib
 import re
 
@@ -108,8 +108,8 @@ def test_the_quickstart_models_parameter_counts_are_the_plans():
     config = load_config_file(str(DOCS.parent / "configs" / "quickstart.py"))
     size = f"{make_plan(config, 1).num_params / 1e6:.2f}M"
     for page in ("README.md", "docs/getting-started.md", "docs/configs.md", "docs/diloco.md"):
-        assert f"{size}-parameter" in (DOCS.parent / page).read_text() or f"{size} parameters" in (
-            DOCS.parent / page).read_text(), (page, size)
+        text = (DOCS.parent / page).read_text()
+        assert f"{size}-parameter" in text or f"{size} parameters" in text, (page, size)
     config.model.vocab_size = 4096
     size = f"{make_plan(config, 1).num_params / 1e6:.2f}M"
     assert f"{size}-parameter" in (DOCS / "data.md").read_text(), size
