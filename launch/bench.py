@@ -11,6 +11,7 @@
     python launch/bench.py --part=overlap --topology=v5p:2x2x1          # dualpipev's overlapped all-to-alls
     python launch/bench.py --part=packs                                # context-parallel work: zigzag vs balanced
     python launch/bench.py --part=memory --cpu_devices=64              # docs/memory.md's table: XLA:CPU's peaks
+    python launch/bench.py --part=split                                # the split backward's counted FLOPs
                                                                        # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -38,7 +39,7 @@ OVERLAP_SCHEDULES = [n for n, k in KINDS.items() if k.chunks == 2 and not k.pair
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).", lower_bound=0)
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
-                                  "diloco", "overlap", "packs", "memory"],
+                                  "diloco", "overlap", "packs", "memory", "split"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.", lower_bound=1e-6)
@@ -602,6 +603,37 @@ def bench_packs(rows: int = 16, seq_len: int = 131072, block: int = 512):
             print(f"| median {median}, sigma {sigma} | {s} | {spread(zigzag):.3f} | {spread(balanced):.3f} |")
 
 
+def bench_split():
+    """docs/pipeline.md's split-backward table: the matmul FLOPs of one step (`parallax.pipeline.work`, on the
+    traced step: nothing compiled) of configs/tiny.py's Llama at 8 layers, batch 32 x 32, 8 microbatches,
+    per device summed over the pipeline ranks, and of one B, W and fused BW action."""
+    import jax
+
+    from parallax.defaults import load_config_file
+    from parallax.pipeline import work
+    from parallax.pipeline.program import compile_schedule
+    from parallax.plan import abstract_batch
+    from parallax.trainer import Trainer
+
+    print("| mesh | schedule | GFLOP | B / W / BW per action, MFLOP |\n|---|---|---|---|")
+    for label, mesh in (("pipe 2 x tensor 2 x fsdp 2", dict(pipe=2, tensor=2, fsdp=2)), ("pipe 4 x data 2",
+                                                                                        dict(pipe=4, data=2))):
+        for schedule in ("1f1b", "zb_h1", "zbv"):
+            config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                                   "tiny.py"))
+            for axis in config.mesh:
+                config.mesh[axis] = mesh.get(axis, 1)
+            config.model.num_layers = 8
+            config.train.global_batch_size = 32
+            config.pipeline.update(schedule=schedule, microbatches=8, virtual_stages=KINDS[schedule].virtual_stages(2))
+            trainer = Trainer(config, devices=jax.devices()[:8])
+            batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in abstract_batch(config).items()}
+            flops = work.step_flops(jax.make_jaxpr(trainer.loss_and_grads)(trainer.abstract_params, batch),
+                                    compile_schedule(trainer.plan.schedule))
+            actions = " / ".join(f"{flops[k] / 1e6:.2f}" if k in flops else "-" for k in ("B", "W", "BW"))
+            print(f"| {label} | {schedule} | {flops['total'] / 1e9:.3f} | {actions} |", flush=True)
+
+
 # docs/memory.md's measured configs: (row, config file, overrides, devices), XLA:CPU's compiled peak per device.
 MEMORY_ROWS = [
     ("`llama3_8b.py`: 32 microbatches of 1 x 8192 per GPU, remat full", "llama3_8b.py", {}, 8),
@@ -674,7 +706,7 @@ def main(_):
     if FLAGS.part == "diloco":
         bench_diloco(FLAGS.steps)
         return
-    if FLAGS.part not in ("device", "generate", "balance", "memory"):
+    if FLAGS.part not in ("device", "generate", "balance", "memory", "split"):
         print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices; model: 8 layers, "
               f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")
     if FLAGS.part in ("all", "mesh"):
@@ -691,6 +723,8 @@ def main(_):
         bench_generate()
     if FLAGS.part == "memory":
         bench_memory()
+    if FLAGS.part == "split":
+        bench_split()
 
 
 
