@@ -2,7 +2,11 @@
 or sharded over a mesh of the visible devices (whatever mesh trained it).
 
     python launch/sample.py --workdir=/tmp/quickstart [--prompt="def main(" --prompt="import "] [--tokens=200] \
-        [--temperature=0.8 --top_k=40 --top_p=0.95 --seed=1] [--mesh=fsdp=2,tensor=2 --cpu_devices=4]
+        [--temperature=0.8 --top_k=40 --top_p=0.95 --seed=1] [--mesh=fsdp=2,tensor=2 --cpu_devices=4] \
+        [--chat [--chat_template=chatml]]
+
+--chat: each prompt is a user message, rendered with the run's tokenizer's chat template (or --chat_template:
+a named one or a .jinja file; the one the chat data was prepared with) and the generation prompt.
 """
 
 
@@ -20,6 +24,10 @@ def define_flags():
     flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens only (0: all).")
     flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens of total probability top_p (1: all).")
     flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed gives the same sample.")
+    flags.DEFINE_bool("chat", False, "Wrap each prompt as a user message in the chat template, with the "
+                      "generation prompt; stop at the end of the assistant's turn.")
+    flags.DEFINE_string("chat_template", "", "With --chat: empty for the tokenizer's own template, chatml or "
+                        "llama3 (named), or a .jinja file.")
     flags.DEFINE_string("mesh", "", "Shard the model over a mesh of the visible devices, e.g. fsdp=2,tensor=2 "
                         "(default: one device).")
 
@@ -37,10 +45,14 @@ def _mesh(text):
 
 
 def run(_, FLAGS):
+    from parallax.errors import ConfigError
     from parallax.sample import sample_from_workdir
 
+    if FLAGS.chat_template and not FLAGS.chat:
+        raise ConfigError(f"--chat_template={FLAGS.chat_template}: only read with --chat; add --chat")
     print(sample_from_workdir(FLAGS.workdir, FLAGS.prompt, FLAGS.tokens, FLAGS.temperature, top_k=FLAGS.top_k,
-                              top_p=FLAGS.top_p, seed=FLAGS.seed, mesh=_mesh(FLAGS.mesh)))
+                              top_p=FLAGS.top_p, seed=FLAGS.seed, mesh=_mesh(FLAGS.mesh),
+                              chat_template=FLAGS.chat_template if FLAGS.chat else None))
 
 
 run.define_flags = define_flags

@@ -7,9 +7,13 @@
     DIR/NAME.uint16.bin        the shard's documents, concatenated (uint32 when the vocabulary needs it);
                                each document ends with the eos id (and starts with bos if the tokenizer adds it)
     DIR/NAME.docs.npy          int64: the offset where each of the shard's documents starts (docs[0] == 0)
+    DIR/NAME.mask.bin          chat shards trained on the assistant's tokens only (`parallax.chat`): one uint8 per
+                               token, 1 where the token is a training target; its manifest entry says `mask`
+                               and carries its SHA-256 (the manifest's format is then parallax-shards/2, which
+                               a reader that would ignore the mask refuses)
 
 A shard holds whole documents, so every shard starts a document. A shard is committed by renaming its
-`.docs.npy` into place after its `.bin` (each written to a temporary name first): a reader never sees a
+`.docs.npy` into place after its `.bin` and mask (each written to a temporary name first): a reader never sees a
 half-written shard, and a restarted preparation redoes only shards without a committed `.docs.npy`. The
 manifest is written last: a directory without one is a preparation that has not finished.
 
@@ -32,6 +36,8 @@ import numpy as np
 from parallax.errors import ConfigError
 
 FORMAT = "parallax-shards/1"
+FORMAT_MASKED = "parallax-shards/2"  # some shards carry a loss mask (NAME.mask.bin)
+FORMATS = (FORMAT, FORMAT_MASKED)
 MANIFEST = "manifest.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -53,9 +59,14 @@ def docs_file(name: str) -> str:
     return f"{name}.docs.npy"
 
 
-def write_shard(directory: str, name: str, documents: list, dtype: str) -> dict:
+def mask_file(name: str) -> str:
+    return f"{name}.mask.bin"
+
+
+def write_shard(directory: str, name: str, documents: list, dtype: str, masks: list | None = None) -> dict:
     """Writes one shard of `documents` (1-D arrays or lists of ids) and returns its manifest entry (without `source`).
-    The tokens go first and the document index last, each through a temporary file and a rename."""
+    `masks`: one uint8 array per document (1: a training target), written as the shard's loss mask.
+    The tokens go first, then the mask, and the document index last, each through a temporary file and a rename."""
     lengths = np.fromiter((len(d) for d in documents), np.int64, len(documents))
     tokens = np.concatenate([np.asarray(d, DTYPES[dtype]) for d in documents]) if documents else \
         np.zeros(0, DTYPES[dtype])
@@ -63,13 +74,20 @@ def write_shard(directory: str, name: str, documents: list, dtype: str) -> dict:
         np.zeros(0, np.int64)
     path = os.path.join(directory, token_file(name, dtype))
     _write_atomically(path, tokens.tobytes())
+    extra = {}
+    if masks is not None:
+        mask = np.concatenate([np.asarray(m, np.uint8) for m in masks]) if masks else np.zeros(0, np.uint8)
+        if len(mask) != len(tokens) or (len(mask) and mask.max() > 1):
+            raise ValueError(f"shard {name}: {len(mask)} mask values for {len(tokens)} tokens (or not 0 / 1)")
+        _write_atomically(os.path.join(directory, mask_file(name)), mask.tobytes())
+        extra = {"mask": True, "mask_sha256": hashlib.sha256(mask.tobytes()).hexdigest()}
     index = os.path.join(directory, docs_file(name))
     buffer = io.BytesIO()
     np.save(buffer, starts)
     _write_atomically(index, buffer.getvalue())  # the commit: the shard exists from here on
     return {"name": name, "tokens": int(len(tokens)), "documents": int(len(documents)),
             "lowest": int(tokens.min()) if len(tokens) else 0, "highest": int(tokens.max()) if len(tokens) else 0,
-            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(), **extra}
 
 
 def _write_atomically(path: str, data: bytes) -> None:
@@ -83,23 +101,32 @@ def _write_atomically(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def committed(directory: str, name: str, dtype: str) -> bool:
+def committed(directory: str, name: str, dtype: str, masked: bool = False) -> bool:
     return os.path.isfile(os.path.join(directory, docs_file(name))) and \
-        os.path.isfile(os.path.join(directory, token_file(name, dtype)))
+        os.path.isfile(os.path.join(directory, token_file(name, dtype))) and \
+        (not masked or os.path.isfile(os.path.join(directory, mask_file(name))))
 
 
-def shard_entry(directory: str, name: str, dtype: str, eos_id: int) -> dict:
+def shard_entry(directory: str, name: str, dtype: str, eos_id: int | None, masked: bool = False) -> dict:
     """The manifest entry of a committed shard, read back from its files (a restarted preparation); a shard
-    whose index does not fit its tokens is a ShardError."""
+    whose index does not fit its tokens (or whose mask does not) is a ShardError. `eos_id`: what every
+    document ends with (None: chat documents, which end as their template ends them)."""
     tokens = np.fromfile(os.path.join(directory, token_file(name, dtype)), DTYPES[dtype])
     starts = load_index(os.path.join(directory, docs_file(name)), "delete the shard's files and rerun to write "
                         "it again")
-    if len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens) or tokens[-1] != eos_id):
+    extra = {}
+    if masked:
+        mask = np.fromfile(os.path.join(directory, mask_file(name)), np.uint8)
+        if len(mask) != len(tokens) or (len(mask) and mask.max() > 1):
+            raise ShardError(f"shard {name!r} in {directory!r} is damaged (its mask does not fit its tokens); "
+                             "delete its files and rerun to write it again")
+        extra = {"mask": True, "mask_sha256": hashlib.sha256(mask.tobytes()).hexdigest()}
+    if len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens) or (eos_id is not None and tokens[-1] != eos_id)):
         raise ShardError(f"shard {name!r} in {directory!r} is damaged (its index does not fit its tokens); "
                          "delete its files and rerun to write it again")
     return {"name": name, "tokens": int(len(tokens)), "documents": int(len(starts)),
             "lowest": int(tokens.min()) if len(tokens) else 0, "highest": int(tokens.max()) if len(tokens) else 0,
-            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(), **extra}
 
 
 def load_index(path: str, fix: str, mmap_mode=None) -> np.ndarray:
@@ -130,8 +157,8 @@ def read_manifest(directory: str) -> dict:
     try:
         with open(path) as f:
             manifest = json.load(f)
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+        if manifest.get("format") not in FORMATS:
+            raise ValueError(f"format {manifest.get('format')!r}, expected one of {FORMATS}")
         manifest["tokenizer"]["hash"], manifest["shards"], DTYPES[manifest["dtype"]]  # noqa: B018 -- present
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{path}: not a readable shard manifest ({type(e).__name__}: {e}); prepare the "
@@ -147,10 +174,14 @@ class Shard:
         self.source, self.n_tokens, self.n_docs = entry.get("source", ""), entry["tokens"], entry["documents"]
         self.lowest, self.highest = int(entry.get("lowest", 0)), int(entry.get("highest", np.iinfo(DTYPES[dtype]).max))
         self.path = os.path.join(directory, token_file(self.name, dtype))
+        self.has_mask = bool(entry.get("mask", False))
+        self.mask_path = os.path.join(directory, mask_file(self.name))
 
     def check(self) -> None:
         """Present, readable and of the manifest's size: a stat, not a read."""
-        for path in (self.path, os.path.join(self.directory, docs_file(self.name))):
+        paths = (self.path, os.path.join(self.directory, docs_file(self.name))) + ((self.mask_path,) if self.has_mask
+                                                                                 else ())
+        for path in paths:
             if not os.path.isfile(path) or not os.access(path, os.R_OK):
                 raise ShardError(f"shard {path!r} is missing or unreadable; restore it, or prepare "
                                  f"{self.directory!r} again with launch/prepare_data.py")
@@ -158,6 +189,10 @@ class Shard:
         if size != self.n_tokens * DTYPES[self.dtype].itemsize:
             raise ShardError(f"shard {self.path!r} holds {size} bytes, but the manifest says {self.n_tokens} "
                              f"{self.dtype} tokens; the file was changed or truncated: prepare the directory again")
+        if self.has_mask and os.path.getsize(self.mask_path) != self.n_tokens:
+            raise ShardError(f"shard mask {self.mask_path!r} holds {os.path.getsize(self.mask_path)} bytes, but the "
+                             f"manifest says {self.n_tokens} tokens; the file was changed or truncated: prepare the "
+                             "directory again")
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Tokens [a, b) of the shard, checked against the id range its manifest records: bytes changed after
@@ -173,6 +208,24 @@ class Shard:
                                  f"[{self.lowest}, {self.highest}] its manifest records: the file was changed after "
                                  "it was written; prepare the directory again with launch/prepare_data.py")
         return piece
+
+    def read_mask(self, a: int, b: int) -> np.ndarray:
+        """Loss-mask values [a, b) of the shard (uint8; all 1 for a shard without a mask), checked to be 0 or 1
+        (a changed file shows as other bytes)."""
+        if not self.has_mask:
+            return np.ones(max(b - a, 0), np.uint8)
+        piece = np.asarray(self.mask[a:b])
+        if piece.size and piece.max() > 1:
+            at = a + int(np.argmax(piece > 1))
+            raise ShardError(f"shard mask {self.mask_path!r} holds {int(piece.max())} at token {at}, not 0 or 1: the "
+                             "file was changed after it was written; prepare the directory again")
+        return piece
+
+    @functools.cached_property
+    def mask(self) -> np.ndarray:
+        if self.n_tokens == 0:
+            return np.zeros(0, np.uint8)
+        return np.memmap(self.mask_path, dtype=np.uint8, mode="r")
 
     @functools.cached_property
     def tokens(self) -> np.ndarray:
@@ -201,6 +254,11 @@ class ShardStream:
 
     def __len__(self) -> int:
         return self.hi - self.lo
+
+    @property
+    def has_mask(self) -> bool:
+        """Whether any shard carries a loss mask (then `loss_mask` differs from all ones somewhere)."""
+        return any(s.has_mask for s in self.shards)
 
     def _docs_before(self, g: int) -> int:
         """Documents starting before global offset g."""
@@ -243,3 +301,16 @@ class ShardStream:
             g0, k = base + b, k + 1
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
         return tokens, np.concatenate(starts)
+
+    def loss_mask(self, offset: int, n: int) -> np.ndarray:
+        """The loss mask of tokens [offset, offset + n) (fewer at the end), as `window` reads the tokens."""
+        g0, g1 = self.lo + offset, min(self.lo + offset + n, self.hi)
+        pieces = []
+        k = int(np.searchsorted(self.bounds, g0, side="right")) - 1
+        while g0 < g1:
+            base = int(self.bounds[k])
+            a, b = g0 - base, min(g1, int(self.bounds[k + 1])) - base
+            if b > a:
+                pieces.append(self.shards[k].read_mask(a, b))
+            g0, k = base + b, k + 1
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)

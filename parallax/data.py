@@ -20,7 +20,8 @@ tokens starting at a pseudo-random offset drawn from ``np.random.default_rng([se
   token (also when the window begins mid-document) and at each new document, counting up by one within a
   document. So every position is below ``seq_len``, which the models check against their position tables;
 * ``weights`` (float32): 1.0 where the target is the next token of the same document, else 0.0 (padding,
-  and the last token of each document).
+  and the last token of each document); times the target's loss mask where the corpus has one (chat shards
+  trained on the assistant's tokens only, ``parallax.chat``): a corpus without one packs as it always did.
 
 Why positions count from the window, not from the document's true start: a row only ever shows the model
 its own ``seq_len`` tokens (attention never reaches the part of a document before the window), exactly as
@@ -84,6 +85,8 @@ class _Stream:
     @property
     def num_docs(self) -> int:
         return len(self.starts)
+
+    has_mask = False  # a token file or generated documents: every target is trained
 
     def window(self, offset: int, n: int):
         """Tokens [offset, offset + n) (fewer at the end) and the document starts inside them, relative to
@@ -434,12 +437,14 @@ def _epoch_order(seed: int, split: int, epoch: int, n_windows: int, *source: int
 
 def _pack(stream, seq_len, offsets):
     """Rows of seq_len tokens starting at each offset (padded past the stream's end); see module doc."""
-    rows = [_pack_row(*stream.window(int(o), seq_len + 1), seq_len) for o in offsets]
+    rows = [_pack_row(*stream.window(int(o), seq_len + 1), seq_len,
+                      stream.loss_mask(int(o), seq_len + 1) if stream.has_mask else None) for o in offsets]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _pack_row(tokens, starts, seq_len):
-    """One row from a window's tokens (at most seq_len + 1) and its document starts (0 first)."""
+def _pack_row(tokens, starts, seq_len, mask=None):
+    """One row from a window's tokens (at most seq_len + 1), its document starts (0 first) and, where the
+    corpus has one, its loss mask (1: the token is a training target)."""
     idx = np.arange(seq_len + 1)
     valid = idx < len(tokens)
     padded = np.zeros(seq_len + 1, np.int32)
@@ -447,12 +452,17 @@ def _pack_row(tokens, starts, seq_len):
     doc = np.searchsorted(starts, idx, side="right") - 1  # the document of each token, 0 = the row's first
     positions = idx - starts[doc]  # from the document's first token in the row
     real = valid[:-1]
+    weights = valid[1:] & (doc[1:] == doc[:-1])
+    if mask is not None:
+        targets_mask = np.zeros(seq_len + 1, bool)
+        targets_mask[: len(mask)] = mask
+        weights &= targets_mask[1:]  # weight t trains the prediction of token t + 1
     return {
         "inputs": np.where(real, padded[:-1], 0).astype(np.int32),
         "targets": np.where(valid[1:], padded[1:], 0).astype(np.int32),
         "segment_ids": np.where(real, doc[:-1] + 1, 0).astype(np.int32),
         "positions": np.where(real, positions[:-1], 0).astype(np.int32),
-        "weights": (valid[1:] & (doc[1:] == doc[:-1])).astype(np.float32),
+        "weights": weights.astype(np.float32),
     }
 
 

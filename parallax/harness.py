@@ -14,6 +14,9 @@ model_args: `workdir=` (a run: config.json, checkpoints/, tokenizer/; its latest
 window: for a run at most, and by default, its `train.seq_len`; for `hf_dir`, by default the config's
 positions up to 2048); `prefix_token=` (the id a text with no context is conditioned on; default the
 tokenizer's bos when it adds one, else its eos). The rows per forward pass are lm-eval's `--batch_size`.
+`--apply_chat_template` (lm-eval's flag) renders each request as a chat with the run's tokenizer's chat
+template (`parallax.chat`; model_args `chat_template=` names another: chatml, llama3 or a .jinja file), and
+the rendered text is then encoded with the template's special tokens as tokens, as lm-eval's HF model does.
 Everything runs on JAX's first device (`JAX_PLATFORMS=cpu` picks the CPU); lm-eval's `--device` is a
 PyTorch device name and is not read.
 
@@ -45,7 +48,7 @@ from parallax.sample import load_workdir
 MAX_GEN_TOKS = 256  # lm-eval's default for a task that does not set max_gen_toks
 HF_MAX_LENGTH = 2048  # lm-eval's default window for a Hugging Face model
 _GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "seed"}
-_ARGS = "workdir, hf_dir, max_length, batch_size, prefix_token"
+_ARGS = "workdir, hf_dir, max_length, batch_size, prefix_token, chat_template"
 
 
 def _positive_int(name: str, value) -> int:
@@ -86,7 +89,7 @@ class ParallaxLM(TemplateLM):
     """A parallax checkpoint as an lm-eval model (`loglikelihood`, `loglikelihood_rolling`, `generate_until`)."""
 
     def __init__(self, workdir=None, hf_dir=None, max_length=None, batch_size=1, prefix_token=None,
-                 max_batch_size=None, device=None, **unknown):
+                 chat_template="", max_batch_size=None, device=None, **unknown):
         super().__init__()
         if unknown:
             key, value = next(iter(unknown.items()))
@@ -129,6 +132,7 @@ class ParallaxLM(TemplateLM):
             raise ConfigError(f"prefix_token={prefix_token}: not a token id of this model (0..{vocab - 1}); pass "
                               "e.g. prefix_token=10")
         self._prefix = None if prefix_token is None else int(prefix_token)
+        self._chat_spec, self._chat = str(chat_template or ""), None  # the template, once a request is rendered
         self._scores = jax.jit(functools.partial(self._score_batch, self.graphdef, self.par))
 
     # --- tokens ------------------------------------------------------------------------------------------
@@ -152,8 +156,49 @@ class ParallaxLM(TemplateLM):
                           "newline byte)")
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        """The ids of `string`, after the tokenizer's bos when it adds one (unless add_special_tokens=False)."""
+        """The ids of `string`, after the tokenizer's bos when it adds one (unless add_special_tokens=False).
+        Under a chat template, the special tokens the text spells are tokens, and the template writes the bos."""
+        if self._chat is not None:
+            return self.tok.encode_chat(string)[0]
         return self.tok.encode(string) if add_special_tokens is False else self.tok.prompt(string)
+
+    # --- chat templates (lm-eval's --apply_chat_template) -------------------------------------------------
+
+    def _template(self):
+        if self._chat is None:
+            from parallax import chat
+
+            self._chat = chat.resolve(self._chat_spec, self.tok, key="--model_args chat_template")
+        return self._chat
+
+    def chat_template(self, chat_template=False) -> str | None:
+        """The Jinja source of the chat template requests are rendered with (lm-eval records it)."""
+        return self._template().text if chat_template is not False and chat_template is not None else None
+
+    @property
+    def tokenizer_name(self) -> str:
+        """What lm-eval keys its request cache by under a chat template: the tokenizer's and template's hashes."""
+        return f"parallax-{self.tok.hash[:16]}-{self._template().sha256[:16]}"
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        """`chat_history` rendered with the chat template: with the assistant's header after it, or with its
+        last (assistant) message left open (lm-eval's continue_final_message)."""
+        from parallax import chat
+
+        for history in (chat_history, [m for m in chat_history if m.get("role") != "system"]):
+            try:  # as lm-eval's HF model: a template that refuses a system message gets the chat without it
+                return chat.render(self._template(), history, add_generation_prompt=add_generation_prompt,
+                                   continue_final=not add_generation_prompt)
+            except chat.ChatError as e:
+                error = e
+        raise ConfigError(f"--apply_chat_template: {error}")
+
+    @property
+    def _stop_id(self) -> int | None:
+        """Where a generation ends: the end of the assistant's turn under a chat template, else the eos."""
+        from parallax import chat
+
+        return self.tok.eos_id if self._chat is None else chat.turn_end_id(self.tok, self._chat)
 
     def tok_decode(self, ids) -> str:
         return self.tok.decode(ids)
@@ -227,7 +272,7 @@ class ParallaxLM(TemplateLM):
         A prompt is cut on the left to leave the new tokens room in the window (as lm-eval's HF model does)."""
         keep = max(1, self.max_length - num_tokens)
         outs = generate(self.graphdef, self.params, [p[-keep:] for p in prompts], num_tokens, self.max_length,
-                        **dict(sampling), eos_id=self.tok.eos_id, par=self.par, vocab_size=self.vocab_size)
+                        **dict(sampling), eos_id=self._stop_id, par=self.par, vocab_size=self.vocab_size)
         return [o.tolist() for o in outs]
 
     def _gen_settings(self, gen_kwargs: dict) -> tuple[list[str], int, tuple]:
@@ -258,8 +303,8 @@ class ParallaxLM(TemplateLM):
                     batch = members[start:start + self.batch_size]
                     prompts = [self.tok_encode(requests[i].args[0]) for i in batch]
                     for i, ids in zip(batch, self._generate(prompts, num_tokens, sampling)):
-                        if self.tok.eos_id is not None and self.tok.eos_id in ids:
-                            ids = ids[:ids.index(self.tok.eos_id)]
+                        if self._stop_id is not None and self._stop_id in ids:
+                            ids = ids[:ids.index(self._stop_id)]
                         text = self.tok_decode(ids)
                         for stop in until:
                             if stop:

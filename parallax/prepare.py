@@ -3,7 +3,11 @@
 **Inputs** are `NAME=PATTERN` pairs (NAME names the source for `data.mixture`; `main` when omitted). A pattern
 is a glob (`**` recursive), a file or a directory. By kind:
 
-* `.jsonl` / `.ndjson` (one JSON object per line): the document is the `text_field` of each line;
+* `.jsonl` / `.ndjson` (one JSON object per line): the document is the `text_field` of each line; a file
+  whose first line has no `text_field` but `messages` (or `prompt` and `completion`) is a file of chat rows:
+  each line a conversation rendered with a chat template, its shard carrying the loss mask of the
+  assistant's tokens (`parallax.chat`; `chat_template`, `loss_on`), every line checked before anything is
+  written;
 * `.parquet`: the `text_field` column (pyarrow);
 * a saved Hugging Face `datasets` directory (`Dataset.save_to_disk`: `state.json` + `.arrow` files): its
   `text_field` column, read with pyarrow (memory-mapped; the `datasets` library is not needed);
@@ -39,6 +43,7 @@ import time
 
 import numpy as np
 
+from parallax import chat as chat_lib
 from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
 from parallax.errors import ConfigError
@@ -55,7 +60,7 @@ class Unit:
     `files`, one otherwise); `start`, `stop`: byte range (jsonl), row groups (parquet), rows (arrow)."""
 
     source: str
-    kind: str
+    kind: str  # files | jsonl | chat (a jsonl file of chat rows) | parquet | arrow
     paths: tuple
     start: int = 0
     stop: int = 0
@@ -147,8 +152,75 @@ def _check_field(path: str, kind: str, text_field: str) -> None:
                               "pass --text_field=NAME")
 
 
-def plan_units(inputs: list[tuple[str, str]], shard_bytes: int, text_field: str = "text") -> tuple[list, list]:
-    """The units (see the module doc) and the input files as (path, size, mtime_ns), in a fixed order."""
+@dataclasses.dataclass(frozen=True)
+class ChatSettings:
+    """How chat rows become tokens: the template and what the loss is on (`parallax.chat`)."""
+
+    template: chat_lib.Template
+    loss_on: str
+
+    @property
+    def masked(self) -> bool:
+        return self.loss_on == "assistant"
+
+
+class ChatRows:
+    """The chat settings of a preparation, resolved at its first file of chat rows (a corpus without one
+    needs no template)."""
+
+    def __init__(self, tok, spec: str = "", loss_on: str = "assistant"):
+        if loss_on not in chat_lib.LOSS_ON:
+            raise ConfigError(f"--loss_on={loss_on}: use one of {', '.join(chat_lib.LOSS_ON)}")
+        self.tok, self.spec, self.loss_on, self.settings = tok, spec, loss_on, None
+
+    def resolve(self, path: str) -> ChatSettings:
+        if self.settings is None:
+            try:
+                template = chat_lib.resolve(self.spec, self.tok)
+                self.tok.encode_chat("")  # a tokenizer that cannot read a template's special tokens fails here
+            except ConfigError as e:
+                raise ConfigError(f"{path} holds chat rows, but {e}") from None
+            self.settings = ChatSettings(template, self.loss_on)
+        return self.settings
+
+
+def _first_record(path: str):
+    """The first non-blank line of a jsonl file, parsed (None if it is not JSON: the check names it)."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return None
+    return None
+
+
+def _check_chat(path: str, settings: ChatSettings) -> None:
+    """Every line of a file of chat rows renders, with the assistant's text found where the loss is on it:
+    a bad line is an error naming `file:line` before anything is written."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ConfigError(f"{path}:{number}: not JSON ({e}); each line must be one JSON object") from None
+            if not chat_lib.is_chat(record):
+                keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(f"{path}:{number}: not a chat row (it has: {keys}); every line of a file of "
+                                  "conversations holds 'messages', or 'prompt' and 'completion'")
+            try:
+                chat_lib.assistant_text(settings.template, record, settings.loss_on)
+            except chat_lib.ChatError as e:
+                raise ConfigError(f"{path}:{number}: {e}") from None
+
+
+def plan_units(inputs: list[tuple[str, str]], shard_bytes: int, text_field: str = "text",
+               chat: ChatRows | None = None) -> tuple[list, list]:
+    """The units (see the module doc) and the input files as (path, size, mtime_ns), in a fixed order.
+    `chat`: how to read files of chat rows (without it, a jsonl file must have `text_field` on every line)."""
     units, files = [], []
     for name, pattern in inputs:
         found = _files(pattern)
@@ -171,7 +243,12 @@ def plan_units(inputs: list[tuple[str, str]], shard_bytes: int, text_field: str 
                     source_units.append(Unit(name, "files", tuple(group), size=group_bytes))
                     group, group_bytes = [], 0
                 continue
-            _check_field(path, kind, text_field)
+            first = _first_record(path) if chat is not None and kind == "jsonl" else None
+            if isinstance(first, dict) and text_field not in first and chat_lib.is_chat(first):
+                kind = "chat"
+                _check_chat(path, chat.resolve(path))
+            else:
+                _check_field(path, kind, text_field)
             source_units += _split_file(name, path, kind, size, shard_bytes)
         if group:
             source_units.append(Unit(name, "files", tuple(group), size=group_bytes))
@@ -182,7 +259,7 @@ def plan_units(inputs: list[tuple[str, str]], shard_bytes: int, text_field: str 
 
 
 def _split_file(name, path, kind, size, shard_bytes):
-    if kind == "jsonl":
+    if kind in ("jsonl", "chat"):
         cuts = [0]
         with open(path, "rb") as f:
             while cuts[-1] + shard_bytes < size:
@@ -213,8 +290,8 @@ def _split_file(name, path, kind, size, shard_bytes):
     return out
 
 
-def read_unit(unit: Unit, text_field: str = "text") -> list[str]:
-    """The documents of one unit, in order (empty documents dropped)."""
+def read_unit(unit: Unit, text_field: str = "text") -> list:
+    """The documents of one unit, in order (empty documents dropped): strings, or a chat unit's rows (dicts)."""
     if unit.kind == "files":
         docs = []
         for path in unit.paths:
@@ -223,11 +300,13 @@ def read_unit(unit: Unit, text_field: str = "text") -> list[str]:
             if data and b"\0" not in data:
                 docs.append(data.decode("utf-8", errors="replace"))
         return docs
-    if unit.kind == "jsonl":
+    if unit.kind in ("jsonl", "chat"):
         (path,) = unit.paths
         with open(path, "rb") as f:
             f.seek(unit.start)
             chunk = f.read(unit.stop - unit.start)
+        if unit.kind == "chat":
+            return [json.loads(line) for line in chunk.splitlines() if line.strip()]
         docs = []
         for line in chunk.splitlines():
             if not line.strip():
@@ -265,9 +344,11 @@ def _tokenizer(spec: str, expected_hash: str):
 
 
 def tokenize_unit(unit: Unit, name: str, spec: str, out_dir: str, dtype: str, text_field: str,
-                  tokenizer_hash: str) -> dict:
+                  tokenizer_hash: str, chat: ChatSettings | None = None) -> dict:
     """Reads, tokenizes and writes one unit as shard `name`; returns its manifest entry."""
     tok = _tokenizer(spec, tokenizer_hash)
+    if unit.kind == "chat":
+        return _tokenize_chat(unit, name, tok, out_dir, dtype, chat)
     texts = read_unit(unit, text_field)
     docs = []
     for i in range(0, len(texts), _ENCODE_BATCH):
@@ -276,13 +357,31 @@ def tokenize_unit(unit: Unit, name: str, spec: str, out_dir: str, dtype: str, te
     return {**entry, "source": unit.source}
 
 
+def _tokenize_chat(unit: Unit, name: str, tok, out_dir: str, dtype: str, chat: ChatSettings) -> dict:
+    """A unit of chat rows as shard `name`: each row's ids, and under loss_on='assistant' its loss mask."""
+    docs, masks = [], []
+    for record in read_unit(unit):
+        try:
+            ids, mask = chat_lib.tokenize(tok, chat.template, record, chat.loss_on)
+        except chat_lib.ChatError as e:
+            _check_chat(unit.paths[0], chat)  # names the file:line (the file changed since the plan)
+            raise ConfigError(f"{unit.paths[0]}: a row in bytes [{unit.start}, {unit.stop}): {e}") from None
+        docs.append(np.asarray(ids, shard_lib.DTYPES[dtype]))
+        masks.append(mask)
+    entry = shard_lib.write_shard(out_dir, name, docs, dtype, masks if chat.masked else None)
+    return {**entry, "source": unit.source}
+
+
 def _worker_init():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, workers: int = 1, shard_mb: float = 64,
-            text_field: str = "text", overwrite: bool = False, progress: bool = True, log=print) -> dict:
-    """Prepares `inputs` (see `parse_inputs`) into the shard directory `out_dir`; returns the manifest."""
+            text_field: str = "text", chat_template: str = "", loss_on: str = "assistant", overwrite: bool = False,
+            progress: bool = True, log=print) -> dict:
+    """Prepares `inputs` (see `parse_inputs`) into the shard directory `out_dir`; returns the manifest.
+    Files of chat rows are rendered with `chat_template` ('' the tokenizer's own, a `parallax.chat.NAMED` one,
+    or a .jinja file), their loss on the assistant's tokens or on `all` (`loss_on`)."""
     if workers < 1:
         raise ConfigError(f"--workers={workers}: must be >= 1")
     if shard_mb <= 0:
@@ -293,7 +392,12 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
         raise ConfigError(f"--tokenizer={tokenizer}: it has no eos token to end documents with; use a tokenizer "
                           "with one (train_tokenizer.py writes <|endoftext|>), or bytes")
     dtype = shard_lib.dtype_for(tok.vocab_size)
-    units, files = plan_units(pairs, int(shard_mb * (1 << 20)), text_field)
+    chat_rows = ChatRows(tok, chat_template, loss_on)
+    units, files = plan_units(pairs, int(shard_mb * (1 << 20)), text_field, chat_rows)
+    chat = chat_rows.settings
+    if chat is None and chat_template:
+        raise ConfigError(f"--chat_template={chat_template}: no input holds chat rows (jsonl lines with 'messages', "
+                          "or 'prompt' and 'completion'); drop the flag or point --inputs at conversations")
     names, counters = [], {}
     for unit in units:
         names.append(f"{unit.source}-{counters.get(unit.source, 0):05d}")
@@ -301,9 +405,13 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
     plan = {"format": shard_lib.FORMAT, "tokenizer_hash": tok.hash, "dtype": dtype, "text_field": text_field,
             "shard_mb": shard_mb, "inputs": [list(p) for p in pairs], "files": [list(f) for f in files],
             "units": [dataclasses.asdict(u) | {"paths": list(u.paths), "name": n} for u, n in zip(units, names)]}
+    if chat is not None:
+        plan["chat"] = _chat_meta(chat)
+    masked = [u.kind == "chat" and chat.masked for u in units]
     _claim(out_dir, plan, overwrite)
-    todo = [i for i, n in enumerate(names) if not shard_lib.committed(out_dir, n, dtype)]
-    entries = {i: shard_lib.shard_entry(out_dir, names[i], dtype, tok.eos_id) | {"source": units[i].source}
+    todo = [i for i, n in enumerate(names) if not shard_lib.committed(out_dir, n, dtype, masked[i])]
+    entries = {i: shard_lib.shard_entry(out_dir, names[i], dtype, None if units[i].kind == "chat" else tok.eos_id,
+                                        masked[i]) | {"source": units[i].source}
                for i in range(len(units)) if i not in todo}  # a damaged one fails here, before the copy below
     tok.copy_to(os.path.join(out_dir, "tokenizer"))
     spec = os.path.join(out_dir, "tokenizer")  # what the workers load: the copy, hash for hash the same
@@ -315,7 +423,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
     start, tokens = time.perf_counter(), 0
     bar = _progress_bar(total, progress)
     try:
-        for i, entry in _run(todo, units, names, spec, out_dir, dtype, text_field, workers, tok.hash):
+        for i, entry in _run(todo, units, names, spec, out_dir, dtype, text_field, workers, tok.hash, chat):
             entries[i] = entry
             tokens += entry["tokens"]
             rate = tokens / max(time.perf_counter() - start, 1e-9)
@@ -323,7 +431,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "bytes", *, worker
             bar.update(units[i].size)
     finally:
         bar.close()
-    manifest = _manifest(tok, dtype, pairs, [entries[i] for i in range(len(units))])
+    manifest = _manifest(tok, dtype, pairs, [entries[i] for i in range(len(units))], chat)
     tmp = os.path.join(out_dir, shard_lib.MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -340,16 +448,16 @@ def _progress_bar(total, enabled):
     return tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not enabled, mininterval=1.0)
 
 
-def _run(todo, units, names, spec, out_dir, dtype, text_field, workers, tokenizer_hash):
+def _run(todo, units, names, spec, out_dir, dtype, text_field, workers, tokenizer_hash, chat):
     """Yields (unit index, entry) as units finish: in this process for one worker, else in a pool."""
     if workers == 1:
         for i in todo:
-            yield i, tokenize_unit(units[i], names[i], spec, out_dir, dtype, text_field, tokenizer_hash)
+            yield i, tokenize_unit(units[i], names[i], spec, out_dir, dtype, text_field, tokenizer_hash, chat)
         return
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
         futures = {pool.submit(tokenize_unit, units[i], names[i], spec, out_dir, dtype, text_field,
-                               tokenizer_hash): i
+                               tokenizer_hash, chat): i
                    for i in todo}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.result()
@@ -383,7 +491,11 @@ def _claim(out_dir: str, plan: dict, overwrite: bool) -> None:
     os.replace(plan_path + ".tmp", plan_path)
 
 
-def _manifest(tok, dtype, pairs, entries) -> dict:
+def _chat_meta(chat: ChatSettings) -> dict:
+    return {"template": chat.template.name, "template_sha256": chat.template.sha256, "loss_on": chat.loss_on}
+
+
+def _manifest(tok, dtype, pairs, entries, chat=None) -> dict:
     sources = {}
     for name, pattern in pairs:
         sources.setdefault(name, {"inputs": [], "documents": 0, "tokens": 0, "shards": 0})["inputs"].append(pattern)
@@ -392,9 +504,11 @@ def _manifest(tok, dtype, pairs, entries) -> dict:
         s["documents"] += entry["documents"]
         s["tokens"] += entry["tokens"]
         s["shards"] += 1
-    return {"format": shard_lib.FORMAT, "tokenizer": tok.meta(), "dtype": dtype,
-            "documents": sum(e["documents"] for e in entries), "tokens": sum(e["tokens"] for e in entries),
-            "sources": sources, "shards": entries}
+    masked = any(e.get("mask") for e in entries)
+    return {"format": shard_lib.FORMAT_MASKED if masked else shard_lib.FORMAT, "tokenizer": tok.meta(),
+            "dtype": dtype, "documents": sum(e["documents"] for e in entries),
+            "tokens": sum(e["tokens"] for e in entries), "sources": sources, "shards": entries,
+            **({"chat": _chat_meta(chat)} if chat is not None else {})}
 
 
 def iter_texts(inputs: list[str], text_field: str = "text", max_bytes: int = 0):

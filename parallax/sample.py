@@ -56,12 +56,14 @@ def _stderr(line: str) -> None:
 
 def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int = 0, temperature: float = 0.8, *,
                         top_k: int = 0, top_p: float = 1.0, seed: int = 0, mesh: dict | None = None,
-                        warn=_stderr) -> str:
+                        chat_template: str | None = None, warn=_stderr) -> str:
     """Restores the latest checkpoint of `workdir` (onto one device, or sharded over `mesh`) and continues
     `prompt` (one string, or a list: one batch), encoded and decoded by the run's tokenizer
     (`WORKDIR/tokenizer`; the prompt's bytes as ids for an id-only corpus). Stops a row at the tokenizer's
     eos. Sampling as `parallax.generate.generate`. A prompt longer than the model's window is cut to the
-    tokens the model sees, with one line through `warn` (default: stderr)."""
+    tokens the model sees, with one line through `warn` (default: stderr). `chat_template` (None: plain text):
+    each prompt is a user message rendered with that chat template ('' the tokenizer's own, a named one, or
+    a .jinja file; `parallax.chat`) and the generation prompt, and a row stops at the end of the turn."""
     from parallax.errors import ConfigError
     from parallax.sharding import activation_sharding
 
@@ -75,7 +77,17 @@ def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int =
     trainer, params, step, tok = load_workdir(workdir, mesh)
     config = trainer.config
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
-    if tok is not None:
+    eos_id = None if tok is None else tok.eos_id
+    if chat_template is not None:
+        from parallax import chat
+
+        if tok is None:
+            raise ConfigError(f"--chat: the run at {workdir} trained on token ids without a tokenizer; a chat "
+                              "template needs one")
+        template = chat.resolve(chat_template, tok)
+        ids = [chat.prompt_ids(tok, template, t) for t in texts]
+        eos_id = chat.turn_end_id(tok, template)
+    elif tok is not None:
         ids = [tok.prompt(t) for t in texts]
     else:  # an id-only corpus: the prompt's bytes, as ids
         ids = [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) % config.model.vocab_size for t in texts]
@@ -87,7 +99,7 @@ def sample_from_workdir(workdir: str, prompt: str | list[str], num_tokens: int =
     with activation_sharding(trainer.mesh, trainer.plan.rules):
         outs = generate(trainer.graphdef, params, ids, num_tokens or config.train.sample_tokens, config.train.seq_len,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        eos_id=None if tok is None else tok.eos_id, par=trainer.plan.parallelism,
+                        eos_id=eos_id, par=trainer.plan.parallelism,
                         vocab_size=config.model.vocab_size)
     if tok is not None:
         return "\n".join(f"step {step} sample:\n{text}{tok.decode(out.tolist())}" for text, out in zip(texts, outs))

@@ -14,6 +14,11 @@ a shard directory's `tokenizer/`) has the hash of the original: resume and train
 hashes, not paths. `copy_to(dir)` writes those files plus `parallax_tokenizer.json` (kind, hash, ids), and
 `load(dir)` reads such a copy back.
 
+For chat data (`parallax.chat`) an HF tokenizer carries its `chat_template` (tokenizer_config.json's, or the
+`chat_template.jinja` file transformers >= 4.50 writes, which is then one of its files) and the
+special-token strings a template reads (`template_tokens`: bos_token, eos_token, ...); `encode_chat`
+encodes a rendered conversation with the template's control tokens as their ids.
+
 Why these libraries and not our own BPE: `tokenizers` is the Rust implementation every HF model's
 `tokenizer.json` is written for (byte-exact with `transformers`' fast tokenizers), and its trainer is what
 `train_bpe` calls; SentencePiece and tiktoken files only load faithfully in their own libraries.
@@ -31,6 +36,9 @@ from parallax.errors import ConfigError
 
 META_FILE = "parallax_tokenizer.json"
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.50 saves a tokenizer's chat template
+# The tokenizer_config.json entries transformers hands a chat template as variables (its `special_tokens_map`).
+TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The eos token of a tokenizer whose config does not name one: the usual spellings, most specific first.
 _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
 # Llama 3's pre-tokenizer split (its tiktoken `tokenizer.model` carries only the merges).
@@ -49,6 +57,8 @@ class Tokenizer:
     add_bos: bool = False
     files: tuple = ()  # (name, path) of the files that define it
     source: str = ""  # what config.data.tokenizer named
+    chat_template: str | None = None  # the Jinja chat template the tokenizer ships, if any
+    template_tokens: dict = {}  # {"bos_token": "<s>", ...}: the strings a chat template may read
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -72,6 +82,13 @@ class Tokenizer:
         """A prompt's ids: [bos] + text (no eos)."""
         head = [self.bos_id] if self.add_bos and self.bos_id is not None else []
         return head + self.encode(text)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A rendered conversation's ids, and each id's (start, end) character offsets in `text`. Unlike
+        `encode`, the special tokens the text spells (a template's `<|im_start|>`) are their ids, as
+        transformers' `apply_chat_template` encodes them; no bos is added (the template writes it)."""
+        raise ConfigError(f"a {self.kind} tokenizer cannot encode a chat template's special tokens; use the "
+                          "model's Hugging Face tokenizer (a tokenizer.json, or its directory)")
 
     @property
     def hash(self) -> str:
@@ -118,6 +135,14 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def encode_chat(self, text):
+        ids, offsets = [], []
+        for i, char in enumerate(text):  # a byte tokenizer has no special tokens: the template's are text
+            data = char.encode("utf-8")
+            ids += data
+            offsets += [(i, i + 1)] * len(data)
+        return ids, offsets
+
 
 def _token_content(value):
     """A tokenizer_config.json token entry: a string, or {"content": ...}."""
@@ -141,10 +166,18 @@ class HFTokenizer(Tokenizer):
         self.files = [("tokenizer.json", file)]
         config = {}
         config_file = os.path.join(directory, "tokenizer_config.json")
+        template_file = os.path.join(directory, CHAT_TEMPLATE_FILE)
         if os.path.basename(file) == "tokenizer.json" and os.path.isfile(config_file):
             self.files.append(("tokenizer_config.json", config_file))
             with open(config_file) as f:
                 config = json.load(f)
+        self.chat_template = _config_template(config.get("chat_template"))
+        if os.path.basename(file) == "tokenizer.json" and os.path.isfile(template_file):
+            self.files.append((CHAT_TEMPLATE_FILE, template_file))  # transformers reads it over the config's
+            with open(template_file, encoding="utf-8") as f:
+                self.chat_template = f.read()
+        self.template_tokens = {k: _token_content(config[k]) for k in TEMPLATE_TOKENS
+                                if isinstance(_token_content(config.get(k)), str)}
         vocab = self.tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         eos = _token_content(config.get("eos_token")) or next((t for t in _EOS_CANDIDATES if t in vocab), None)
@@ -164,6 +197,15 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_chat(self, text):
+        if not hasattr(self, "_chat_tok"):  # a second copy that reads special tokens: `tok` keeps text as text
+            import tokenizers
+
+            self._chat_tok = tokenizers.Tokenizer.from_str(self.tok.to_str())
+            self._chat_tok.encode_special_tokens = False
+        encoding = self._chat_tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -212,13 +254,27 @@ class TiktokenTokenizer(Tokenizer):
                                      special_tokens={name: n + i for i, name in enumerate(names)})
         self.files = [("tokenizer.model" if path.endswith(".model") else "tokenizer.tiktoken", path)]
         self.vocab_size, self.bos_id, self.eos_id, self.add_bos = n + TIKTOKEN_SPECIALS, n, n + 1, True
+        self.template_tokens = {"bos_token": names[0], "eos_token": names[1]}
         self.source = path
 
     def encode_batch(self, texts):
         return self.enc.encode_ordinary_batch(list(texts))
 
+    def encode_chat(self, text):
+        ids = self.enc.encode(text, allowed_special="all")
+        _, starts = self.enc.decode_with_offsets(ids)
+        return ids, list(zip(starts, starts[1:] + [len(text)]))
+
     def decode(self, ids) -> str:
         return self.enc.decode([int(i) for i in ids if int(i) < self.vocab_size - TIKTOKEN_SPECIALS])
+
+
+def _config_template(value) -> str | None:
+    """tokenizer_config.json's `chat_template`: a string, or a list of {"name", "template"} (the "default" one)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
 
 
 def _optional(package: str, path: str):

@@ -36,6 +36,9 @@ def _inputs(base):
     (garbage / "main-00000.docs.npy").write_bytes(b"junk, not an index" * 24)
     (base / "no_text.jsonl").write_text("\n".join(lines[:5] + ['{"body": "no text"}'] + lines[5:]) + "\n")
     (base / "not_json.jsonl").write_text("\n".join(lines[:2] + ["{not json"]) + "\n")
+    turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (base / "no_reply.jsonl").write_text(f"{json.dumps(turn)}\n{json.dumps({'messages': turn['messages'][:1]})}\n")
+    (base / "broken.jinja").write_text("{% for m in messages %}{{ m.content }\n{% endfor %}")
     (base / "afile").write_text("a file, not a directory\n")
     (base / "empty").mkdir()
     (base / "other").mkdir()
@@ -47,6 +50,7 @@ def _inputs(base):
     return {"corpus": f"{corpus}/*.jsonl", "shards": shards, "garbage": str(garbage), "afile": str(base / "afile"),
             "empty": str(base / "empty"), "other": str(base / "other"), "run": str(run),
             "no_text": str(base / "no_text.jsonl"), "not_json": str(base / "not_json.jsonl"),
+            "no_reply": str(base / "no_reply.jsonl"), "broken_template": str(base / "broken.jinja"),
             "nometrics": str(base / "nometrics"), "new": str(base / "new"), "new2": str(base / "new" / "deeper")}
 
 
@@ -112,6 +116,13 @@ CASES = [
      "{no_text}:6: no 'text' field"),
     ("prepare-line-not-json", "prepare_data", ["--inputs={not_json}", "--output={new}", "--noprogress"], ["new"],
      "{not_json}:3: not JSON"),
+    ("prepare-chat-without-reply", "prepare_data", ["--inputs={no_reply}", "--output={new}", "--chat_template=chatml",
+                                                    "--noprogress"], ["new"],
+     "{no_reply}:2: a conversation with no assistant turn (roles: user); add the assistant's reply, or pass "
+     "--loss_on=all"),
+    ("prepare-chat-template-does-not-parse", "prepare_data", ["--inputs={no_reply}", "--output={new}",
+                                                              "--chat_template={broken_template}"], ["new"],
+     "--chat_template='{broken_template}': {broken_template} does not parse (line 1: unexpected '}}')"),
     ("prepare-dir-without-tokenizer", "prepare_data", ["--inputs={corpus}", "--output={new}", "--tokenizer={empty}"],
      ["new", "empty"], "--tokenizer='{empty}': the directory holds no tokenizer.json"),
     ("prepare-workers-0", "prepare_data", ["--inputs={corpus}", "--output={new}", "--workers=0"], ["new"],

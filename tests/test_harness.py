@@ -228,3 +228,35 @@ def test_the_command_line_exits_2_with_one_line_on_a_bad_model_arg(workdir, tmp_
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == ("config error: --model_args dtype=bf16: not an argument of the "
                                                  f"parallax model; it takes {harness._ARGS}")
+
+
+def test_apply_chat_template_renders_each_request_as_a_chat_and_scores_the_rendered_tokens(workdir, tmp_path,
+                                                                                           monkeypatch):
+    """lm-eval's --apply_chat_template through its Python API: every request's context is the chat rendered
+    with the named template (the byte run encodes the template's markers as bytes, with no bos), and the
+    score is the adapter's own on those tokens."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from parallax import chat
+
+    for key, value in _write_tasks(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    chat_lm = ParallaxLM(workdir=workdir, batch_size=2, chat_template="chatml")
+    seen = []
+    score = chat_lm._loglikelihood_tokens
+    monkeypatch.setattr(chat_lm, "_loglikelihood_tokens", lambda requests, *a, **k: seen.extend(requests) or
+                        score(requests, *a, **k))
+    results = lm_eval.simple_evaluate(model=chat_lm, tasks=["local_mc"], apply_chat_template=True,
+                                      task_manager=TaskManager(include_path=str(tmp_path)))["results"]
+    doc = DOCS["local_mc"][0]
+    rendered = f"<|im_start|>user\n{doc['question']}<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_lm.apply_chat_template([{"role": "user", "content": doc["question"]}]) == rendered
+    # lm-eval moves the context's trailing whitespace (the header's newline) onto the continuation
+    assert ((rendered, doc["choices"][0]), list(rendered.rstrip().encode()),
+            list(f"\n{doc['choices'][0]}".encode())) in seen, seen[:1]
+    assert 0.0 <= results["local_mc"]["acc,none"] <= 1.0
+    assert chat_lm.chat_template(True) == chat.NAMED["chatml"] and chat_lm.tokenizer_name.startswith("parallax-")
+    history = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
+    assert chat_lm.apply_chat_template(history, add_generation_prompt=False) == (
+        "<|im_start|>user\nthe cat<|im_end|>\n<|im_start|>assistant\nsat on")  # the answer left open
