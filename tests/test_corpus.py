@@ -516,3 +516,35 @@ def test_the_token_dtype_holds_every_id_of_the_vocabulary():
     for vocab, want in ((256, "uint16"), (1 << 16, "uint16"), ((1 << 16) + 1, "uint32"), (200_000, "uint32")):
         assert shard_lib.dtype_for(vocab) == want, vocab
         assert np.iinfo(shard_lib.DTYPES[want]).max >= vocab - 1  # the largest id fits
+
+
+def test_inputs_name_sources_walk_directories_and_sample_a_byte_budget(tmp_path, monkeypatch):
+    """parse_inputs / _files / iter_texts against the file system by hand: `NAME=GLOB` names a source unless
+    a file of that literal name exists; a directory is walked in sorted order without hidden entries or
+    __pycache__; `**` recurses; iter_texts stops at the first text that reaches max_bytes, reads text_field,
+    and a missing pyarrow or a line that is not JSON is one line naming the file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a=b.txt").write_text("literal")
+    assert prep.parse_inputs(["web=x/*.txt", "a=b.txt", "plain/*.txt"]) == [
+        ("web", "x/*.txt"), ("main", "a=b.txt"), ("main", "plain/*.txt")]
+    with pytest.raises(ConfigError, match=r"^--inputs: none given; pass e\.g\. --inputs='web=data/\*\.jsonl' "):
+        prep.parse_inputs([])
+    for rel in ("d/b.txt", "d/a.txt", "d/sub/c.txt", "d/.hidden/x.txt", "d/__pycache__/y.txt", "d/.dot.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    assert prep._files("d") == ["d/a.txt", "d/b.txt", "d/sub/c.txt"]
+    assert prep._files("d/**/*.txt") == ["d/__pycache__/y.txt", "d/a.txt", "d/b.txt", "d/sub/c.txt"]
+    (tmp_path / "j.jsonl").write_text("".join(json.dumps({"body": "x" * n, "text": "-"}) + "\n" for n in (3, 4, 5)))
+    assert list(prep.iter_texts(["j.jsonl"], "body")) == ["xxx", "xxxx", "xxxxx"]
+    assert list(prep.iter_texts(["j.jsonl"], "body", max_bytes=7)) == ["xxx", "xxxx"]  # 3 + 4 reaches 7
+    assert list(prep.iter_texts(["j.jsonl"], "body", max_bytes=8)) == ["xxx", "xxxx", "xxxxx"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": \n')
+    with pytest.raises(ConfigError, match=r"^bad\.jsonl:3: not JSON \(.*\); each line must be one JSON object$"):
+        prep.iter_texts(["bad.jsonl"])
+    import builtins
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name.startswith("pyarrow") else real_import(name, *a, **k))
+    with pytest.raises(ConfigError, match=r"^t\.parquet: reading parquet / datasets files needs pyarrow; "
+                                          r"pip install pyarrow \(or parallax\[data\]\)$"):
+        prep._pyarrow("t.parquet")
