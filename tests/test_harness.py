@@ -230,6 +230,41 @@ def test_the_command_line_exits_2_with_one_line_on_a_bad_model_arg(workdir, tmp_
                                                  f"parallax model; it takes {harness._ARGS}")
 
 
+def test_main_checks_the_run_and_the_tasks_before_the_model_loads(workdir, tmp_path, monkeypatch, capsys):
+    """harness.main in this process (the launcher's subprocess tests run the same code where a mutation
+    tool cannot see it): each bad input exits 2 with one stderr line naming it; a good one reaches lm-eval's
+    `execute` with the parsed flags."""
+    import sys
+
+    from lm_eval._cli import HarnessCLI
+
+    for key, value in _write_tasks(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    base = ["launch/harness.py", "--model", "parallax", "--include_path", str(tmp_path)]
+    missing = str(tmp_path / "missing")
+    for argv, line in (
+            (["--model_args", f"workdir={workdir}", "--tasks", "no_such_task"],
+             "config error: --tasks no_such_task: no task named no_such_task; `python launch/harness.py ls tasks` "
+             "lists them (a task of your own: --include_path DIR_OF_YAMLS)"),
+            (["--model_args", f"workdir={missing}", "--tasks", "local_mc"],
+             f"config error: --model_args workdir={missing}: no config.json there; pass the workdir of a parallax run"),
+            (["--model_args", f"hf_dir={missing}", "--tasks", "local_mc"],
+             f"config error: --model_args hf_dir={missing}: no config.json there; pass a Hugging Face model "
+             "directory"),
+            (["--taks", "local_mc"], None)):
+        monkeypatch.setattr(sys, "argv", base + argv)
+        with pytest.raises(SystemExit) as exit_info:
+            harness.main()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and err, (argv, err)
+        assert err[-1] == line if line else err[-1].startswith("config error: unrecognized arguments: --taks"), err
+    executed = []
+    monkeypatch.setattr(HarnessCLI, "execute", lambda self, args: executed.append(args.tasks))
+    monkeypatch.setattr(sys, "argv", base + ["--model_args", f"workdir={workdir}", "--tasks", "local_mc"])
+    harness.main()
+    assert executed and "local_mc" in str(executed[0])
+
+
 def test_apply_chat_template_renders_each_request_as_a_chat_and_scores_the_rendered_tokens(workdir, tmp_path,
                                                                                            monkeypatch):
     """lm-eval's --apply_chat_template through its Python API: every request's context is the chat rendered
