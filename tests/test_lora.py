@@ -149,3 +149,61 @@ def test_merged_export_loads_in_transformers_and_equals_peft_merge(hf_llama, imp
     written = load_file(os.path.join(out, hf.SINGLE_FILE))
     worst = max(float(np.max(np.abs(written[k] - merged[k].numpy()))) for k in written)
     assert worst <= 1e-6, worst
+
+
+# --- training on every mesh equals one device -------------------------------------------------------------
+
+def _lora_config(**mesh):
+    config = tiny_config(**mesh)
+    config.lora.update(rank=RANK, alpha=ALPHA, targets=ALL)
+    config.pipeline.update(schedule="1f1b", microbatches=4)
+    config.optim.warmup_steps = 1
+    return config
+
+
+def _train(config, devices, steps=3):
+    """(loss, gradients of the first batch, the step losses, params before, params after) from random
+    nonzero adapters (so every A has a gradient), on `devices`."""
+    trainer = Trainer(config, devices=devices)
+    data = make_dataset(config)
+    state = trainer.init_state()
+    state = {**state, "params": _randomize_adapters(trainer, state["params"], std=0.05)}
+    before = jax.device_get(state["params"])
+    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], trainer.device_batch(data.batch(0))))
+    losses = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+        losses.append(float(metrics["loss"]))
+    return float(loss), grads, losses, before, jax.device_get(state["params"])
+
+
+def _adapters(tree):
+    return {k: v for k, v in tree["blocks"].items() if k.endswith((lora.SUFFIX_A, lora.SUFFIX_B))}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train(_lora_config(), jax.devices()[:1])
+
+
+MESHES = {"data2-fsdp4": dict(data=2, fsdp=4), "data2-fsdp2-tensor2": dict(data=2, fsdp=2, tensor=2),
+          "1f1b-pipe2-tensor2-fsdp2": dict(pipe=2, tensor=2, fsdp=2)}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_lora_training_on_a_mesh_matches_one_device_and_leaves_the_base_bitwise(reference, mesh):
+    """Loss, every adapter's gradient and three steps' losses equal one device's (1e-5); every other
+    parameter's gradient is exactly zero and its value bitwise unchanged by the steps."""
+    loss, grads, losses, before, after = _train(_lora_config(**MESHES[mesh]), jax.devices())
+    ref_loss, ref_grads, ref_losses = reference[:3]
+    assert all(np.any(g) for g in jax.tree.leaves(_adapters(ref_grads)))  # every A and B has a gradient
+    assert_parity((loss, _adapters(grads), losses), (ref_loss, _adapters(ref_grads), ref_losses), 1e-5)
+    frozen = lora.without_adapters(grads)
+    frozen["blocks"] = {k: v for k, v in frozen["blocks"].items()}
+    for path, g in jax.tree_util.tree_flatten_with_path(frozen)[0]:
+        assert not np.any(g), jax.tree_util.keystr(path)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(lora.without_adapters(before))[0],
+                            jax.tree.leaves(lora.without_adapters(after))):
+        assert np.array_equal(a, b), jax.tree_util.keystr(path)
+    assert not any(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(_adapters(before)),
+                                                         jax.tree.leaves(_adapters(after))))
