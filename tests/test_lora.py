@@ -207,3 +207,124 @@ def test_lora_training_on_a_mesh_matches_one_device_and_leaves_the_base_bitwise(
         assert np.array_equal(a, b), jax.tree_util.keystr(path)
     assert not any(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(_adapters(before)),
                                                          jax.tree.leaves(_adapters(after))))
+
+
+# --- runs: eval, checkpoints, exports, bf16 -----------------------------------------------------------------
+
+PIPE = MESHES["1f1b-pipe2-tensor2-fsdp2"]
+
+
+def _run_config(steps, **mesh):
+    config = _lora_config(**mesh)
+    config.train.update(steps=steps, eval_every=2, checkpoint_every=2, log_every=1)
+    config.optim.decay_steps = 4
+    return config
+
+
+def _quiet(*_):
+    pass
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{'straight': 4 steps, 'resumed': 2 steps then resumed to 4}: LoRA runs on the pipeline mesh."""
+    from parallax.train import train_and_evaluate
+
+    root = tmp_path_factory.mktemp("lora_runs")
+    straight = train_and_evaluate(_run_config(4, **PIPE), str(root / "straight"), log=_quiet)
+    train_and_evaluate(_run_config(2, **PIPE), str(root / "resumed"), log=_quiet)
+    resumed = train_and_evaluate(_run_config(4, **PIPE), str(root / "resumed"), log=_quiet)
+    return {"straight": (str(root / "straight"), straight), "resumed": (str(root / "resumed"), resumed)}
+
+
+def test_lora_resume_is_bitwise_and_the_optimizer_holds_adapters_only(runs):
+    (_, straight), (_, resumed) = runs["straight"], runs["resumed"]
+    assert [r["step"] for r in resumed.history] == [3, 4]
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history][2:]
+    assert np.isfinite(straight.eval_loss) and straight.eval_loss == resumed.eval_loss
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(straight.state)[0], jax.tree.leaves(resumed.state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    # optimizer state: Adam's two moments of each adapter, and scalar counts; nothing of the base
+    sized = [(jax.tree_util.keystr(p), a.shape) for p, a in jax.tree_util.tree_flatten_with_path(
+        straight.state["opt_state"])[0] if a.ndim]
+    adapters = _adapters(straight.state["params"])
+    assert sorted(s for _, s in sized) == sorted(2 * [a.shape for a in adapters.values()])
+    assert all(any(f"'{name}'" in path for name in adapters) for path, _ in sized)
+
+
+def test_trained_lora_run_exports_merged_and_as_a_peft_directory(runs, tmp_path):
+    """From a trained LoRA run's workdir: the merged export in transformers and the peft directory on the
+    base's export in peft give the same logits (and ours)."""
+    workdir, result = runs["straight"]
+    params, trainer = result.state["params"], result.trainer
+    merged, adapter, base = (str(tmp_path / n) for n in ("merged", "adapter", "base"))
+    assert hf.export_workdir(workdir, merged, log=_quiet) == [hf.SINGLE_FILE, "config.json"]
+    hf.export_workdir(workdir, adapter, peft=True, base_model=base, log=_quiet)
+    hf.export_params(lora.without_adapters(params), trainer.plan.model_config, base)
+    tokens = _tokens(3, (2, 32))
+    with_peft = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base).float().eval(), adapter).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(merged).float().eval()
+    one = jax.device_get(params)
+    ours = _our_logits(Trainer(_lora_config(), devices=jax.devices()[:1]), one, tokens)
+    err_peft, err_merged = rel_err(_hf_logits(with_peft, tokens), ours), rel_err(_hf_logits(plain, tokens), ours)
+    print(f"trained run: peft directory {err_peft:.2e}, merged export {err_merged:.2e} (logits rel err vs ours)")
+    assert err_peft <= TOL and err_merged <= TOL
+    assert json.load(open(os.path.join(adapter, lora.PEFT_CONFIG)))["base_model_name_or_path"] == base
+
+
+def test_lora_runs_in_bf16_with_eval_and_resume(tmp_path):
+    from helpers import bf16_train_eval_resume
+
+    bf16_train_eval_resume(_lora_config(**PIPE), tmp_path)
+
+
+# --- bad inputs: one line naming the key and the fix, nothing written -------------------------------------
+
+@pytest.mark.parametrize("key,value,match", [
+    ("targets", "wq,wx", r"config.lora.targets='wq,wx': 'wx' matches no weight of the layer stack \(its weights: "
+                         r"attn_norm, .*\); name some of"),
+    ("targets", "wq,.*norm", r"'.\*norm' matches attn_norm, not a two-dim HF weight; adapters go on"),
+    ("dropout", 0.1, r"config.lora.dropout=0.1: not implemented; .* set lora.dropout=0"),
+    ("alpha", 0.0, r"config.lora.alpha=0.0: must be > 0"),
+])
+def test_bad_lora_settings_are_one_line_errors(key, value, match):
+    from parallax.plan import make_plan
+
+    config = _lora_config()
+    config.lora[key] = value
+    with pytest.raises(ConfigError, match=match) as e:
+        make_plan(config, 1)
+    assert "\n" not in str(e.value)
+
+
+def test_lora_on_gpt2_refuses_its_fused_qkv_and_takes_its_conv1d_weights():
+    from parallax.plan import make_plan
+
+    config = tiny_config("gpt2")
+    config.lora.update(rank=2, targets="wq")
+    with pytest.raises(ConfigError, match=r"'wq' matches wq, a part of the fused HF tensor "
+                                          r"transformer.h.\{i\}.attn.c_attn.weight"):
+        make_plan(config, 1)
+    config.lora.targets = "wo,w_fc"
+    targets = make_plan(config, 1).lora.targets
+    assert [(t.name, t.in_dims, t.module) for t in targets] == [("w_fc", (0,), "mlp.c_fc"),
+                                                                ("wo", (0, 1), "attn.c_proj")]
+
+
+def test_a_lora_checkpoint_resumed_without_lora_is_one_line_and_writes_nothing(runs):
+    from parallax.train import train_and_evaluate
+
+    workdir, _ = runs["resumed"]
+    before = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, files in os.walk(workdir) for p in files}
+    config = _run_config(6, **PIPE)
+    config.lora.rank = 0
+    with pytest.raises(ConfigError, match=r"config.lora.rank=0: the checkpoint in this workdir holds LoRA adapters "
+                                          r"\(lora.rank=4, .*resume with --config.lora.rank=4") as e:
+        train_and_evaluate(config, workdir, log=_quiet)
+    assert "\n" not in str(e.value)
+    config.lora.update(rank=4, targets="wq")
+    with pytest.raises(ConfigError, match=r"config.lora.targets='wq': .* trained with lora.targets="):
+        train_and_evaluate(config, workdir, log=_quiet)
+    after = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, files in os.walk(workdir) for p in files}
+    assert after == before
