@@ -328,3 +328,32 @@ def test_a_lora_checkpoint_resumed_without_lora_is_one_line_and_writes_nothing(r
         train_and_evaluate(config, workdir, log=_quiet)
     after = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, files in os.walk(workdir) for p in files}
     assert after == before
+
+
+def test_lora_gradients_equal_peft_backward_fp32(hf_llama, imported, tmp_path):
+    """The adapters' gradients of the mean next-token loss equal torch's through peft (ours mapped to peft's
+    layout by `peft_factors`, a linear map): the custom VJP of the merged weight against autograd."""
+    trainer, params = imported
+    out = str(tmp_path / "adapter")
+    hf.export_peft(params, trainer.plan.model_config, trainer.plan.lora, out)
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_llama[0]).float(),
+                                           out, is_trainable=True)
+    tokens = _tokens(4, (2, 25))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(torch.tensor(inputs, dtype=torch.long)).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.tensor(targets.reshape(-1), dtype=torch.long)).backward()
+    theirs = {n.replace(".default", ""): p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+    B, T = inputs.shape
+    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets), "weights": jnp.ones((B, T)),
+             "segment_ids": jnp.ones((B, T), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(T), (B, T))}
+    _, grads = jax.device_get(trainer.loss_and_grads(params, batch))
+    worst = 0.0
+    for t in trainer.plan.lora.targets:
+        ga, gb = lora.peft_factors(t, grads["blocks"][t.name + lora.SUFFIX_A], grads["blocks"][t.name + lora.SUFFIX_B])
+        for i in range(ga.shape[0]):
+            name = "base_model.model." + t.source.name.format(i=i).rsplit(".weight", 1)[0]
+            worst = max(worst, rel_err(ga[i], theirs[f"{name}.lora_A.weight"]),
+                        rel_err(gb[i], theirs[f"{name}.lora_B.weight"]))
+    assert len(theirs) == 2 * 2 * len(trainer.plan.lora.targets)  # only the adapters have gradients in peft
+    print(f"adapter gradients vs peft's backward: worst rel err {worst:.2e}")
+    assert worst <= TOL
