@@ -246,8 +246,9 @@ def _muon(m: Muon, s: OptimSettings, schedule, logical_names, mesh=None) -> opta
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
                           is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
-    def muon_dims_of(params):  # the Muon partition's tree: dims where Muon applies, MaskedNode elsewhere
-        return jax.tree.map(lambda d, p: p if d is None else d, dims, params,
+    def muon_dims_of(params):  # the Muon partition's tree: dims where Muon applies, MaskedNode elsewhere (also
+        # where an outer mask left a MaskedNode: LoRA's frozen leaves, `make_optimizer`'s `trainable`)
+        return jax.tree.map(lambda d, p: p if d is None or isinstance(p, optax.MaskedNode) else d, dims, params,
                             is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
     muon = optax.chain(

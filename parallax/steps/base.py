@@ -101,10 +101,16 @@ class StepPath:
             loss, grads, aux = self.sum_and_grads(params, batch)
             return loss / total, jax.tree.map(lambda g: g / total, grads), aux
 
-        def piece(mb):
+        trainable = self.plan.trainable or jax.tree.map(lambda _: True, params)
+
+        def piece(mb):  # frozen leaves (LoRA's base) get no accumulator: their gradients are zeros
             loss, grads, aux = self.sum_and_grads(params, mb)
-            return loss / total, jax.tree.map(lambda g: g.astype(jnp.float32) / total, grads), aux
-        return accumulate(piece, self.split_microbatches(batch, m))
+            grads = jax.tree.map(lambda g, t: g.astype(jnp.float32) / total if t else None, grads, trainable)
+            return loss / total, grads, aux
+        loss, grads, aux = accumulate(piece, self.split_microbatches(batch, m))
+        grads = jax.tree.map(lambda g, p, t: g if t else jnp.zeros(p.shape, jnp.float32), grads, params, trainable,
+                             is_leaf=lambda x: x is None)
+        return loss, grads, aux
 
     def eval_sums(self, params, batch):
         """[weighted loss sum, weight total] of one batch, forward only, in `train.microbatches` pieces as
