@@ -193,14 +193,16 @@ MESHES = {"data2-fsdp4": dict(data=2, fsdp=4), "data2-fsdp2-tensor2": dict(data=
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_lora_training_on_a_mesh_matches_one_device_and_leaves_the_base_bitwise(reference, mesh):
     """Loss, every adapter's gradient and three steps' losses equal one device's (1e-5); every other
-    parameter's gradient is exactly zero and its value bitwise unchanged by the steps."""
-    loss, grads, losses, before, after = _train(_lora_config(**MESHES[mesh]), jax.devices())
+    parameter's gradient is exactly zero and its value bitwise unchanged by the steps. The FSDP case also
+    accumulates two microbatches (no accumulator for the frozen leaves: `StepPath.loss_grads_aux`)."""
+    config = _lora_config(**MESHES[mesh])
+    if mesh == "data2-fsdp4":
+        config.train.microbatches = 2
+    loss, grads, losses, before, after = _train(config, jax.devices())
     ref_loss, ref_grads, ref_losses = reference[:3]
     assert all(np.any(g) for g in jax.tree.leaves(_adapters(ref_grads)))  # every A and B has a gradient
     assert_parity((loss, _adapters(grads), losses), (ref_loss, _adapters(ref_grads), ref_losses), 1e-5)
-    frozen = lora.without_adapters(grads)
-    frozen["blocks"] = {k: v for k, v in frozen["blocks"].items()}
-    for path, g in jax.tree_util.tree_flatten_with_path(frozen)[0]:
+    for path, g in jax.tree_util.tree_flatten_with_path(lora.without_adapters(grads))[0]:
         assert not np.any(g), jax.tree_util.keystr(path)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(lora.without_adapters(before))[0],
                             jax.tree.leaves(lora.without_adapters(after))):
@@ -357,3 +359,22 @@ def test_lora_gradients_equal_peft_backward_fp32(hf_llama, imported, tmp_path):
     assert len(theirs) == 2 * 2 * len(trainer.plan.lora.targets)  # only the adapters have gradients in peft
     print(f"adapter gradients vs peft's backward: worst rel err {worst:.2e}")
     assert worst <= TOL
+
+
+def test_lora_with_muon_keeps_state_for_the_adapters_only():
+    """Muon's own partition (matrices / AdamW) inside LoRA's frozen one: the adapters move, nothing else."""
+    config = _lora_config()
+    config.lora.targets = "wq,w_down"
+    config.optim.name = "muon"
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    data = make_dataset(config)
+    state = trainer.init_state()
+    before = jax.device_get(state["params"])
+    for step in range(2):
+        state, _ = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+    after = jax.device_get(state["params"])
+    moved = {jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(before)[0],
+                                                          jax.tree.leaves(after)) if not np.array_equal(a, b)}
+    assert moved == {f"['blocks']['{n}']" for n in _adapters(before)}
+    assert all(a.ndim == 0 or a.shape in {v.shape for v in _adapters(before).values()}
+               for a in jax.tree.leaves(state["opt_state"]))
