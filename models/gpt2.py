@@ -124,6 +124,7 @@ class GPT2(Model):
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_heads)
 
     hf_architectures = ("GPT2LMHeadModel",)
+    hf_in_axis = 0  # HF Conv1D weights are [in, out] (LoRA reads which dims are inputs from it)
 
     @staticmethod
     def hf_model_keys(c, where):

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from parallax.errors import ConfigError
-from parallax.model import DENSE, Parallelism, forward
+from parallax.model import DENSE, Parallelism, forward, layer_module
 from parallax.parallel.manual import log_once
 from parallax.parallel.sequence import attention_reference
 from parallax.sharding import activation_context, constrain
@@ -127,7 +127,7 @@ def _run_blocks(model, x, batch, cache, par):
     def body(h, layer):
         params, ck, cv = layer
         p = _CachedParallelism(par, (ck, cv))
-        out = nnx.merge(graphdef, params).layer(h, batch, p)
+        out = layer_module(graphdef, params).layer(h, batch, p)
         h = out[0] if isinstance(out, tuple) else out
         return h, p.cache
     x, (ck, cv) = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), *cache))
@@ -142,7 +142,7 @@ def _cache_shape(model, batch, par):
 
     def probe(layer0):
         x = model.embed(batch, _CachedParallelism(par, where="embed"))
-        return nnx.merge(graphdef, layer0).layer(x, batch, p)
+        return layer_module(graphdef, layer0).layer(x, batch, p)
     jax.eval_shape(probe, jax.tree.map(lambda a: a[0], nnx.to_pure_dict(stacked)))
     if p.shapes is None:
         raise ConfigError("the model's layer never calls par.attention; generate with cache=False")

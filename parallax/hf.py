@@ -29,6 +29,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from parallax import lora
 from parallax.errors import ConfigError
 from parallax.model import ENTRY_POINT_GROUP, model_class
 
@@ -133,7 +134,8 @@ def _path(keys) -> str:
 def load_params(ckpt: Checkpoint, model_config, shardings: dict, on_read=None) -> dict:
     """Our params (pure dict, float32) read from `ckpt` straight onto `shardings` (a pure dict of
     NamedShardings, e.g. `Trainer.param_shardings`). `on_read(tensor_name, index)` is called for every
-    slice read from a file (tests count what the loader reads)."""
+    slice read from a file (tests count what the loader reads). LoRA adapters (not in an HF checkpoint)
+    are None."""
     sources = ckpt.sources(model_config)
     ckpt.check_shapes(sources, model_config.num_layers)
 
@@ -150,6 +152,8 @@ def load_params(ckpt: Checkpoint, model_config, shardings: dict, on_read=None) -
 
     def build(keys, sharding):
         path = _path(keys)
+        if path.endswith((lora.SUFFIX_A, lora.SUFFIX_B)):
+            return None  # LoRA adapters start from their init (`load_checkpoint`)
         if path not in sources:
             raise ConfigError(f"config.model.name={model_config.name!r}: parameter {path} has no HF counterpart")
         src = sources[path]
@@ -330,7 +334,14 @@ def load_checkpoint(ckpt: Checkpoint, config, devices=None, log=print, on_read=N
         raise ConfigError(f"--hf_dir={ckpt.dir}: its tokenizer emits ids up to {tok.vocab_size - 1}, past the model's "
                           f"vocab_size={config.model.vocab_size}; is the tokenizer from another model?")
     trainer = Trainer(config, devices)
-    return trainer, load_params(ckpt, trainer.plan.model_config, trainer.param_shardings, on_read), tok
+    params = load_params(ckpt, trainer.plan.model_config, trainer.param_shardings, on_read)
+    if trainer.plan.lora.enabled:  # the base from the checkpoint, the adapters from their init (B = 0: the base)
+        init = jax.jit(lambda: {name: value for name, value in trainer.init_params()["blocks"].items()
+                                if name.endswith((lora.SUFFIX_A, lora.SUFFIX_B))},
+                       out_shardings={k: v for k, v in trainer.param_shardings["blocks"].items()
+                                      if k.endswith((lora.SUFFIX_A, lora.SUFFIX_B))})
+        params = {**params, "blocks": {**params["blocks"], **init()}}
+    return trainer, params, tok
 
 
 def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, overrides=(), devices=None,
@@ -377,10 +388,44 @@ def import_to_workdir(hf_dir: str, workdir: str, base_path: str | None = None, o
     return state
 
 
+def export_peft(params: dict, model_config, settings, out_dir: str, dtype: str = "float32",
+                base_model: str | None = None) -> list[str]:
+    """Writes the LoRA adapters of `params` (`settings`: the run's `lora.LoraSettings`) as a peft adapter
+    directory in `out_dir`: adapter_config.json and adapter_model.safetensors, which
+    `peft.PeftModel.from_pretrained(hf_base_model, out_dir)` loads onto the HF export of the base weights.
+    `base_model`: what adapter_config.json names as the base (`base_model_name_or_path`). Only process 0
+    writes. Returns the files."""
+    st = _safetensors()
+    cls = _model_with_mapping(model_config)
+    if not settings.enabled:
+        raise ConfigError("--peft: this run has no LoRA adapters (lora.rank=0); export it without --peft")
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    tensors = {}
+    for t in settings.targets:
+        a, b = (_host_value(params["blocks"][t.name + s]) for s in (lora.SUFFIX_A, lora.SUFFIX_B))
+        a_peft, b_peft = lora.peft_factors(t, a, b)
+        for i in range(a.shape[0]):
+            name = "base_model.model." + t.source.name.format(i=i).rsplit(".weight", 1)[0]
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a_peft[i]).astype(np_dtype)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_peft[i]).astype(np_dtype)
+    if jax.process_index() != 0:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, lora.PEFT_WEIGHTS)
+    st.numpy.save_file(tensors, path, metadata={"format": "pt"})
+    _readable(path)
+    with open(os.path.join(out_dir, lora.PEFT_CONFIG), "w") as f:
+        json.dump(lora.peft_config(settings, getattr(cls, "hf_in_axis", 1) == 0, base_model), f, indent=2)
+    return [lora.PEFT_CONFIG, lora.PEFT_WEIGHTS]
+
+
 def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: str = "float32",
-                   max_shard_bytes: int = 5 << 30, devices=None, log=print) -> list[str]:
+                   max_shard_bytes: int = 5 << 30, devices=None, log=print, peft: bool = False,
+                   base_model: str | None = None) -> list[str]:
     """Exports a checkpoint of `workdir` (default: the latest) as an HF checkpoint in `out_dir`. Restores on
-    the run's mesh when the devices allow it (parameters stay sharded), else on one device."""
+    the run's mesh when the devices allow it (parameters stay sharded), else on one device. A LoRA run is
+    written merged (W + scale A B: a plain checkpoint of the fine-tuned model), or with `peft` as a peft
+    adapter directory (`export_peft`; `base_model` names the base there)."""
     from etils import epath
 
     from parallax import checkpoint as ckpt_lib
@@ -393,6 +438,8 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
         raise ConfigError(f"--workdir={workdir}: no config.json there; pass the workdir of a parallax run")
     config = load_saved_config(path.read_text())
     _model_with_mapping(config.model)  # a model without a mapping fails before anything is restored
+    if peft and not int(config.lora.rank):
+        raise ConfigError(f"--peft: the run in {workdir} has no LoRA adapters (lora.rank=0); export it without --peft")
     devices = list(jax.devices() if devices is None else devices)
     try:
         trainer = Trainer(config, devices)
@@ -406,6 +453,12 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
         raise ConfigError(f"--workdir={workdir}: no checkpoint yet; train (or import) first")
     params = checkpointer.restore(trainer.abstract_state(), step)["params"]
     checkpointer.close()
+    if peft:
+        names = export_peft(params, trainer.plan.model_config, trainer.plan.lora, out_dir, dtype, base_model)
+        log(f"exported the LoRA adapters of step {step} of {workdir} ({config.model.name}) to {out_dir} as a peft "
+            f"adapter directory: {', '.join(names)}")
+        return names
+    params = lora.merged_params(params, trainer.plan.lora)
     from parallax import tokenizer as tok_lib
 
     meta = tok_lib.read_meta(str(epath.Path(workdir) / "tokenizer")) or {}

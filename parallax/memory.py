@@ -73,7 +73,7 @@ class MemoryReport:
     """Bytes per device."""
     params: int  # analytic: this device's shards of the parameters
     optimizer: int  # analytic: its shards of the optimizer state
-    gradients: int  # analytic: fp32 gradients, sharded like the parameters (live inside the step)
+    gradients: int  # analytic: fp32 gradients of the trained parameters (LoRA: the adapters), sharded like them
     batch: int  # analytic: its rows of the batch arrays
     xla_arguments: int  # XLA: the step's inputs (state + batch) on this device
     xla_outputs: int
@@ -182,8 +182,10 @@ def memory_report(config, devices=None) -> MemoryReport:
     memory = compiled.memory_analysis()
     kernel_calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
     params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)
-    grads = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s in
-                zip(jax.tree.leaves(trainer.abstract_params), jax.tree.leaves(trainer.param_shardings)))
+    trainable = trainer.plan.trainable or jax.tree.map(lambda _: True, trainer.abstract_params)
+    grads = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s, t in
+                zip(jax.tree.leaves(trainer.abstract_params), jax.tree.leaves(trainer.param_shardings),
+                    jax.tree.leaves(trainable)) if t)
     return MemoryReport(
         params=params,
         optimizer=_bytes_on_device(state["opt_state"], trainer.state_shardings["opt_state"]),

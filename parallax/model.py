@@ -75,6 +75,7 @@ import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from parallax import lora
 from parallax.errors import ConfigError
 from parallax.parallel.manual import DENSE, GATHERED, Parallelism
 from parallax.parallel.sequence import check_sequence_parallel
@@ -156,6 +157,9 @@ class Model(nnx.Module):
     # Hugging Face interop (`parallax.hf`, optional): the HF `architectures` this model reads and writes, and
     # the mapping both ways. A model without them simply cannot be imported or exported.
     hf_architectures: tuple[str, ...] = ()
+    # The axis of an HF two-dim weight that is its input: 1 for torch's Linear [out, in], 0 for a Conv1D
+    # [in, out] (GPT-2). LoRA (`parallax.lora`) reads from it which of a weight's dims are inputs.
+    hf_in_axis: int = 1
 
     @staticmethod
     def hf_model_keys(hf_config: dict, where: str) -> dict:
@@ -381,13 +385,15 @@ def check_parallel_axes(m, cls, sizes: dict) -> None:
 
 def _all_but_gathered(prim, *_, **params) -> bool:
     """remat='none': save every intermediate but the FSDP-gathered weights, which the backward gathers again
-    (ZeRO-3). They are the values `par.weight` names `GATHERED`, and the outputs of the custom-VJP gather
-    that produces them (a `custom_vjp_call` whose primal holds an all_gather)."""
+    (ZeRO-3), and LoRA's merged weights, which it recomputes from the rank-r adapters. They are the values
+    `par.weight` names `GATHERED`, and the outputs of the custom-VJP gather that produces them (a
+    `custom_vjp_call` whose primal holds an all_gather), and `lora.merged` (one naming `lora.LORA_MERGED`)."""
     if prim.name == "name":
-        return params.get("name") != GATHERED
+        return params.get("name") not in (GATHERED, lora.LORA_MERGED)
     if prim.name.startswith("custom_vjp_call") and params.get("call_jaxpr") is not None:
         jaxpr = params["call_jaxpr"]
-        return not any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
+        return not any(e.primitive.name == "all_gather" or e.params.get("name") == lora.LORA_MERGED
+                       for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
     return True
 
 
@@ -429,10 +435,17 @@ def apply_layer_aux(blocks_graphdef, layer, x, batch, remat: str = "none", par: 
         if tie is not None:
             layer_params = jax.tree.map(
                 lambda p: p * tie.astype(p.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, layer_params)
-        return _split_aux(nnx.merge(blocks_graphdef, layer_params).layer(h, batch, par))
+        return _split_aux(layer_module(blocks_graphdef, layer_params).layer(h, batch, par))
 
     body = jax.checkpoint(body, policy=_REMAT_POLICIES.get(remat, _all_but_gathered), prevent_cse=False)
     return body(x, layer)
+
+
+def layer_module(blocks_graphdef, layer_params):
+    """The blocks module on one layer's parameters (a pure dict), as a layer runs: LoRA adapters, if the
+    stack has any, merged into their weights (`parallax.lora.fold`). Every caller of `layer` goes through
+    it (the scan, the pipeline stages, generation)."""
+    return lora.fold(nnx.merge(blocks_graphdef, layer_params))
 
 
 def apply_blocks(blocks_graphdef, stacked, x, batch, remat: str = "none", par: Parallelism = DENSE):

@@ -246,8 +246,9 @@ def _muon(m: Muon, s: OptimSettings, schedule, logical_names, mesh=None) -> opta
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
                           is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
-    def muon_dims_of(params):  # the Muon partition's tree: dims where Muon applies, MaskedNode elsewhere
-        return jax.tree.map(lambda d, p: p if d is None else d, dims, params,
+    def muon_dims_of(params):  # the Muon partition's tree: dims where Muon applies, MaskedNode elsewhere (also
+        # where an outer mask left a MaskedNode: LoRA's frozen leaves, `make_optimizer`'s `trainable`)
+        return jax.tree.map(lambda d, p: p if d is None or isinstance(p, optax.MaskedNode) else d, dims, params,
                             is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
     muon = optax.chain(
@@ -498,17 +499,21 @@ def schedule_count(opt_state) -> jax.Array:
 
 
 def make_optimizer(settings: OptimSettings, total_steps: int, logical_names,
-                   mesh=None) -> optax.GradientTransformation:
+                   mesh=None, trainable=None) -> optax.GradientTransformation:
     """The optimizer `settings.name` names (adamw | muon | sgd), after global-norm clipping when `clip_norm`
     > 0, applied one step late when `grad_delay` is 1 (with `delay_correction`). `mesh`: where Muon spreads
     its Newton-Schulz. With `stale_gradients` the caller delays the gradients itself (2bw), so only
-    `delay_correction` is added."""
+    `delay_correction` is added. `trainable` (a bool per parameter leaf, e.g. LoRA's adapters; None: all):
+    the others are frozen: no state, no update (not even weight decay), and the clipping norm is theirs."""
     s = settings
     tx = s.method.transform(s, lr_schedule(s, total_steps), logical_names, mesh)
     if s.clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(s.clip_norm), tx)
     if s.stale_gradients and s.error_feedback:
-        return error_feedback(tx)
-    if not s.grad_delay:
+        tx = error_feedback(tx)
+    elif s.grad_delay:
+        tx = delay_one_step(tx, error_feedback=s.error_feedback)
+    if trainable is None:
         return tx
-    return delay_one_step(tx, error_feedback=s.error_feedback)
+    labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable)
+    return optax.partition({"train": tx, "frozen": optax.set_to_zero()}, labels)

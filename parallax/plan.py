@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 
 from parallax import data as data_lib
-from parallax import diloco_settings, optim, sharding, train_settings
+from parallax import diloco_settings, lora as lora_lib, optim, sharding, train_settings
 from parallax import mesh as mesh_lib
 from parallax import model as model_lib
 from parallax.errors import ConfigError
@@ -54,6 +54,12 @@ class Plan:
     num_layers: int
     platform: str = "cpu"  # of the devices it is made for (`model.target_platform()` during the checks)
     parts: Parts | None = None  # with a pipeline: what the model's parts read (traced once)
+    lora: lora_lib.LoraSettings = lora_lib.OFF  # adapters (in `blocks`, beside their weights) and the frozen rest
+
+    @property
+    def trainable(self) -> dict | None:
+        """Per parameter leaf, whether training updates it (LoRA: the adapters only); None: every one."""
+        return lora_lib.trainable_mask(self.logical) if self.lora.enabled else None
 
     @property
     def schedule(self) -> Schedule | None:
@@ -74,7 +80,7 @@ class Plan:
         return self.train.abstract_batch()
 
     def new_model(self, seed: int) -> model_lib.Model:
-        return self.model_class(self.model_config, nnx.Rngs(seed))
+        return build_model(self.model_class, self.model_config, self.lora, seed)
 
     def make_mesh(self, devices) -> jax.sharding.Mesh:
         return mesh_lib.make_mesh(self.sizes, devices)
@@ -117,7 +123,9 @@ def _make_plan(config, num_devices, platform):
         config.pipeline, sizes, num_layers=int(m.num_layers), vocab_size=int(m.vocab_size), data_parallel=dp,
         global_batch_size=train.global_batch_size, accumulation=train.microbatches, grad_delay=optimizer.grad_delay)
     model_config = model_lib.frozen(m)
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(model_config, nnx.Rngs(0))))
+    base_blocks = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: cls(model_config, nnx.Rngs(0))).blocks))
+    lora = lora_lib.resolve(config.lora, cls, model_config, base_blocks)
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: build_model(cls, model_config, lora, 0)))
     try:
         logical = sharding.param_logical_names(abstract_state)
     except ValueError as e:
@@ -143,12 +151,18 @@ def _make_plan(config, num_devices, platform):
         config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls, model_config=model_config,
         graphdef=graphdef, abstract_params=abstract_params, logical=logical, parallelism=par, train=train,
         optim=optimizer, pipeline=pipeline, diloco=diloco, attention=attention, remat=str(m.remat),
-        num_layers=int(m.num_layers), platform=platform)
+        num_layers=int(m.num_layers), platform=platform, lora=lora)
     if pipeline.schedule is None:
         return plan
     parts = Parts.make(plan)  # what the model's parts read, traced once: the pipeline's checks and layout
     pipeline_settings.check_parts(pipeline, parts, logical)
     return _auto_layout(dataclasses.replace(plan, parts=parts))
+
+
+def build_model(cls, model_config, lora: lora_lib.LoraSettings, seed: int) -> model_lib.Model:
+    """Model `cls` initialised from `seed`, with the LoRA adapters of `lora` in its blocks."""
+    rngs = nnx.Rngs(seed)
+    return lora_lib.attach(cls(model_config, rngs), lora, rngs)
 
 
 def _auto_layout(plan):

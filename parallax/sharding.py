@@ -36,6 +36,7 @@ DEFAULT_RULES: dict[str, object] = {
     "layers": "pipe",  # stacked layers: each pipeline rank stores the layers of its own stages
     "experts": "expert",
     "norm": None,
+    "lora_rank": None,  # LoRA adapters' rank dim (parallax/lora.py)
     # Activations.
     "batch": ("data", "fsdp", "expert"),
     "length": "seq",

@@ -25,6 +25,7 @@ from etils import epath
 
 from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
+from parallax import lora
 from parallax import mesh as mesh_lib
 from parallax import optim
 from parallax import steps
@@ -196,6 +197,7 @@ def check_resume(config, saved_json: str) -> None:
             raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint in this workdir was trained with "
                               f"{saved[key]!r}, so resuming would not continue the same run; use a new --workdir "
                               "to start a different run")
+    lora.check_resume(saved, now)  # the adapters are part of the state's tree
     steps.check_resume(saved, now)  # each step path's own rules (`StepPath.check_resume`)
     if "train.steps" in saved and "optim.decay_steps" in saved:
         horizon = saved["optim.decay_steps"] or saved["train.steps"]  # lr_schedule's: decay_steps or train.steps

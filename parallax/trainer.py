@@ -66,7 +66,7 @@ class Trainer:
         self.abstract_params, self.logical = plan.abstract_params, plan.logical
         self.param_shardings = sharding.param_shardings(self.abstract_params, self.logical, self.mesh, plan.rules)
         self.lr_schedule = optim.lr_schedule(plan.optim, plan.train.steps)
-        self.tx = optim.make_optimizer(plan.optim, plan.train.steps, self.logical, self.mesh)
+        self.tx = optim.make_optimizer(plan.optim, plan.train.steps, self.logical, self.mesh, plan.trainable)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         replicated = NamedSharding(self.mesh, P())
         # optim.offload_state: the state lives in host memory between steps ('pinned_host'); each step brings
@@ -105,8 +105,12 @@ class Trainer:
 
     # --- pure functions -------------------------------------------------------------------------------
 
+    def init_params(self, seed: int | None = None) -> dict:
+        """The parameters at init (a pure dict; traced, or run eagerly: call it under `jax.jit`)."""
+        return nnx.to_pure_dict(nnx.state(self.plan.new_model(self.plan.train.seed if seed is None else seed)))
+
     def _init_state(self, seed: int):
-        params = nnx.to_pure_dict(nnx.state(self.plan.new_model(seed)))
+        params = self.init_params(seed)
         return {"step": jnp.zeros((), jnp.int32), "params": params,
                 "opt_state": self.path.init_opt_state(self.tx, params), **self.path.init_extra(params)}
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from parallax import lora
 from parallax import model as model_lib
 from parallax import sharding
 from parallax.parallel.manual import shard_loss
@@ -100,10 +101,16 @@ class StepPath:
             loss, grads, aux = self.sum_and_grads(params, batch)
             return loss / total, jax.tree.map(lambda g: g / total, grads), aux
 
-        def piece(mb):
+        trainable = self.plan.trainable or jax.tree.map(lambda _: True, params)
+
+        def piece(mb):  # frozen leaves (LoRA's base) get no accumulator: their gradients are zeros
             loss, grads, aux = self.sum_and_grads(params, mb)
-            return loss / total, jax.tree.map(lambda g: g.astype(jnp.float32) / total, grads), aux
-        return accumulate(piece, self.split_microbatches(batch, m))
+            grads = jax.tree.map(lambda g, t: g.astype(jnp.float32) / total if t else None, grads, trainable)
+            return loss / total, grads, aux
+        loss, grads, aux = accumulate(piece, self.split_microbatches(batch, m))
+        grads = jax.tree.map(lambda g, p, t: g if t else jnp.zeros(p.shape, jnp.float32), grads, params, trainable,
+                             is_leaf=lambda x: x is None)
+        return loss, grads, aux
 
     def eval_sums(self, params, batch):
         """[weighted loss sum, weight total] of one batch, forward only, in `train.microbatches` pieces as
@@ -191,8 +198,8 @@ class DensePath(StepPath):
         return self.terms(params, batch)[0]
 
     def sum_and_grads(self, params, batch):
-        def objective(p, b):
-            lm, aux = self.terms(p, b)
+        def objective(p, b):  # frozen leaves (LoRA's base) under stop_gradient: no gradient computed for them
+            lm, aux = self.terms(lora.freeze(p, self.plan.trainable), b)
             return lm + model_lib.aux_loss(aux), aux
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
         return loss, grads, jax.lax.stop_gradient(aux)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from parallax import lora
 from parallax import model as model_lib
 from parallax import sharding
 from parallax.parallel.manual import DENSE, WEIGHT_AXES
@@ -128,10 +129,17 @@ class PipelinePath(StepPath):
         if self.vocab_parallel:  # the vocabulary over (pipe, tensor): rank pipe * t + tensor
             head_par = dataclasses.replace(par, vocab_axes=("pipe", "tensor") if par.tensor > 1 else ("pipe",))
 
+        # Frozen leaves (LoRA's base) enter every part under stop_gradient: their gradients are zeros.
+        trainable = plan.trainable  # None: every leaf trains
+        rest_trainable = None if trainable is None else {k: v for k, v in trainable.items() if k != "blocks"}
+        first_trainable, last_trainable, blocks_trainable = (None, None, None) if trainable is None else (
+            _subtree(rest_trainable, self.first_keys), _subtree(rest_trainable, self.last_keys), trainable["blocks"])
+
         def first_fn(rest_params, mb):  # with vocab_parallel: this rank's share (`Parallelism.embed`)
-            return model(rest_params).embed(mb, head_par)
+            return model(lora.freeze(rest_params, first_trainable)).embed(mb, head_par)
 
         def layer_fn(layer, x, mb):  # the executor runs a stage's layers, one vjp per layer (split backward)
+            layer = lora.freeze(layer, blocks_trainable)
             x, aux = model_lib.apply_layer_aux(t.graphdef, layer, x, mb, plan.remat, stage_par)
             if not stage_aux:
                 return x
@@ -142,7 +150,7 @@ class PipelinePath(StepPath):
             return x, (model_lib.aux_loss(aux), aux)
 
         def last_fn(rest_params, x, mb):  # this rank's tokens; the executor sums over the batch axes and seq
-            return model(rest_params).loss(x, mb, head_par)
+            return model(lora.freeze(rest_params, last_trainable)).loss(x, mb, head_par)
         return {"first_fn": first_fn, "layer_fn": layer_fn, "last_fn": last_fn}
 
     def stage_call(self, region: Region = SINGLE) -> executor.StageCall:
