@@ -140,3 +140,104 @@ def test_dpo_on_a_mesh_equals_one_device(shared, mesh):
     for got, want in zip(records, ref_records):
         for k in METRICS:
             assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), k
+
+
+# --- TRL's DPOTrainer at step 0 ------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers", reason="TRL parity needs transformers ('.[dev]')")
+trl = pytest.importorskip("trl", reason="TRL parity needs trl ('.[dev]')")
+
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """(policy dir, reference dir, transformers tokenizer): two tiny Llamas (other seeds) sharing a byte-level
+    BPE with ChatML's tokens and Qwen 2.5's chat template (the file TRL ships)."""
+    torch = pytest.importorskip("torch")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    words = ["Hello, how are you today? I am fine, thank you very much.", "What is the capital of France? Paris."]
+    rust.train_from_iterator(words * 20, trainers.BpeTrainer(
+        vocab_size=360, special_tokens=CHATML, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>")
+    with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5.jinja")) as f:
+        fast.chat_template = f.read()
+    dirs = []
+    for name, seed in (("policy", 0), ("reference", 1)):
+        path = str(tmp_path_factory.mktemp(name))
+        fast.save_pretrained(path)
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                          rope_theta=5000.0, max_position_embeddings=512, tie_word_embeddings=False,
+                                          initializer_range=0.2)
+        transformers.LlamaForCausalLM(config).float().eval().save_pretrained(path)
+        dirs.append(path)
+    return dirs[0], dirs[1], fast
+
+
+def _rows(kind):
+    if kind == "text":
+        return [{"prompt": f"Hello {i}, how are you?", "chosen": f" I am fine {i}, thank you.",
+                 "rejected": " What is the capital" + " of France" * (i % 3)} for i in range(4)]
+    return [{"prompt": [{"role": "user", "content": f"Hello {i}, how are you?"}],
+             "chosen": [{"role": "assistant", "content": f"I am fine {i}, thank you."}],
+             "rejected": [{"role": "assistant", "content": "Paris." * (1 + i % 2)}]} for i in range(4)]
+
+
+@pytest.mark.parametrize("loss_type,kind,max_length", [("sigmoid", "text", None), ("ipo", "chat", None),
+                                                       ("sigmoid", "text", 14)])
+def test_loss_and_metrics_at_step_0_equal_trl_dpo_trainer(hf_models, tmp_path, loss_type, kind, max_length):
+    """TRL's DPOTrainer (its own reference model) on 4 pairs: its loss and metrics on its collated batch;
+    parallax imports both models, prepares the same file, computes the reference's sums by its reference pass
+    and takes the step-0 loss and metrics: the same ids, and equal at fp32 1e-5."""
+    torch = pytest.importorskip("torch")
+    datasets = pytest.importorskip("datasets")
+    from parallax import hf
+    from parallax import tokenizer as tok_lib
+    from parallax.train import make_dataset, reference_logps
+
+    policy_dir, reference_dir, fast = hf_models
+    rows, beta = _rows(kind), 0.5
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss_type], max_length=max_length,
+                         per_device_train_batch_size=4, report_to=[], use_cpu=True, bf16=False)  # fp32 throughout
+    load = transformers.LlamaForCausalLM.from_pretrained
+    trainer = trl.DPOTrainer(model=load(policy_dir).float(), ref_model=load(reference_dir).float(), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows), processing_class=fast)
+    examples = [trainer.train_dataset[i] for i in range(len(rows))]
+    with torch.no_grad():
+        trl_loss = float(trainer.compute_loss(trainer.model, trainer.data_collator(examples)))
+    trl_metrics = {k: v[-1] for mode in trainer._metrics.values() for k, v in mode.items() if v}
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+    overrides = [("data.source", "preference"), ("data.path", str(path)), ("data.tokenizer", policy_dir),
+                 ("data.eval_fraction", "0.0"), ("data.sampler", "epoch"), ("train.eval_every", "0"),
+                 ("train.seq_len", "256"),
+                 ("train.global_batch_size", "4"), ("dpo.loss_type", loss_type), ("dpo.beta", str(beta)),
+                 ("dpo.max_length", str(max_length or 0))]
+    config = hf.import_config(hf.Checkpoint(policy_dir), None, overrides)
+    ours = Trainer(config, devices=jax.devices()[:1])
+    dataset = make_dataset(config, tok_lib.load(policy_dir))
+    assert len(dataset.pairs["train"]) == len(examples) == len(rows)
+    for pair, example in zip(dataset.pairs["train"], examples):  # TRL's ids, cut as TRL cuts them
+        cut = slice(None, max_length)
+        assert list(pair.prompt + pair.chosen) == (example["prompt_ids"] + example["chosen_ids"])[cut]
+        assert list(pair.prompt + pair.rejected) == (example["prompt_ids"] + example["rejected_ids"])[cut]
+    params = hf.load_params(hf.Checkpoint(policy_dir), ours.plan.model_config, ours.param_shardings)
+    ref_params = hf.load_params(hf.Checkpoint(reference_dir), ours.plan.model_config, ours.param_shardings)
+    dataset.set_reference("train", reference_logps(ours, dataset, ref_params, "train"))
+    batch = ours.device_batch(dataset.batch(0))  # (the epoch sampler's order: the mean is over the same 4)
+    loss, _, _, metrics = jax.device_get(jax.jit(lambda p, b: dpo.loss_grads_metrics(ours.path, p, b))(params, batch))
+    print(f"{loss_type} {kind}: parallax {float(loss):.7f}, TRL {trl_loss:.7f}")
+    for k in METRICS:
+        print(f"  {k}: {float(metrics[k]):.7f} {trl_metrics[k]:.7f}")
+    assert abs(float(loss) - trl_loss) <= 1e-5 * max(1.0, abs(trl_loss))
+    for k in METRICS:
+        assert abs(float(metrics[k]) - trl_metrics[k]) <= 1e-5 * max(1.0, abs(trl_metrics[k])), k
+    assert trl_metrics["rewards/margins"] != 0.0  # the reference is another model: rewards are not all 0
