@@ -241,3 +241,104 @@ def test_loss_and_metrics_at_step_0_equal_trl_dpo_trainer(hf_models, tmp_path, l
     for k in METRICS:
         assert abs(float(metrics[k]) - trl_metrics[k]) <= 1e-5 * max(1.0, abs(trl_metrics[k])), k
     assert trl_metrics["rewards/margins"] != 0.0  # the reference is another model: rewards are not all 0
+
+
+# --- a run: eval, metrics, resume, bf16 ------------------------------------------------------------------
+
+def _file_config(tmp_path, tok_dir, n=8, **rows):
+    path = tmp_path / "pairs.jsonl"
+    pairs = [{"prompt": f"Hello {i}, how are you?", "chosen": f" I am fine {i}, thank you.",
+              "rejected": " What is the capital" + " of France" * (i % 3)} for i in range(n)]
+    path.write_text("\n".join(json.dumps({**p, **rows}) for p in pairs) + "\n")
+    config = _config()
+    config.model.vocab_size = 384
+    config.data.update(path=str(path), tokenizer=tok_dir, eval_fraction=0.25, sampler="epoch")
+    config.train.update(global_batch_size=4, seq_len=64, steps=4, eval_every=2, eval_batches=1,
+                        checkpoint_every=2, log_every=1, async_checkpoint=False)
+    config.optim.decay_steps = 4  # a run of 2 steps resumes to 4 on the same schedule
+    return config
+
+
+def test_a_dpo_run_logs_trl_metrics_evaluates_and_resumes_bitwise(hf_models, tmp_path):
+    from parallax.summary import read_scalars
+    from parallax.train import REFERENCE_FILE, train_and_evaluate
+
+    config = _file_config(tmp_path, hf_models[0])
+    config.mesh.update(data=2, fsdp=2)
+    whole = train_and_evaluate(config, str(tmp_path / "whole"), devices=jax.devices()[:4], log=lambda *_: None)
+    records = read_metrics(tmp_path / "whole")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert all(np.isfinite(r[k]) for k in ("loss", *METRICS)) and abs(r["rewards/chosen"]) < 10
+    assert abs(records[0]["rewards/margins"]) < 1e-5  # step 1's policy is the reference: every reward 0
+    assert records[-1]["rewards/margins"] > 0 and records[-1]["loss"] < np.log(2)  # it learns its preferences
+    assert all(np.isfinite(r["eval_loss"]) for r in records if r["step"] in (2, 4))
+    scalars = read_scalars(str(tmp_path / "whole" / "tb"))
+    assert [s for s, _ in scalars["rewards/accuracies"]] == [1, 2, 3, 4] and "eval_loss" in scalars
+    assert (tmp_path / "whole" / REFERENCE_FILE).exists()
+
+    config.train.steps = 2
+    train_and_evaluate(config, str(tmp_path / "resumed"), devices=jax.devices()[:4], log=lambda *_: None)
+    config.train.steps = 4
+    resumed = train_and_evaluate(config, str(tmp_path / "resumed"), devices=jax.devices()[:4], log=lambda *_: None)
+    assert [r["step"] for r in resumed.history] == [3, 4]
+    for a, b in zip(jax.tree.leaves(jax.device_get(whole.state["params"])),
+                    jax.tree.leaves(jax.device_get(resumed.state["params"]))):
+        np.testing.assert_array_equal(a, b)
+    assert [r["loss"] for r in read_metrics(tmp_path / "resumed")] == [r["loss"] for r in records]
+
+
+def test_dpo_trains_in_bf16(hf_models, tmp_path):
+    from parallax.train import train_and_evaluate
+
+    config = _file_config(tmp_path, hf_models[0])
+    config.model.dtype = "bfloat16"
+    config.train.steps = 2
+    result = train_and_evaluate(config, str(tmp_path / "run"), devices=jax.devices()[:1], log=lambda *_: None)
+    records = read_metrics(tmp_path / "run")
+    assert all(np.isfinite(r[k]) for r in records for k in ("loss", *METRICS))
+    assert np.isfinite(result.eval_loss) and 0 < result.eval_loss < 2
+
+
+# --- bad inputs ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line,expected", [
+    ({"prompt": "Hi", "chosen": " Paris.", "rejected": " Paris."}, "pairs.jsonl:3: 'chosen' equals 'rejected'"),
+    ({"prompt": "Hi", "chosen": " Paris."}, "pairs.jsonl:3: no 'rejected' (a preference row has 'prompt', 'chosen'"),
+    ({"chosen": " Paris.", "rejected": " Rome."}, "pairs.jsonl:3: no 'prompt'"),
+    ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "x"}], "rejected": " Rome."},
+     "pairs.jsonl:3: 'prompt', 'chosen' and 'rejected' must be three strings or three lists of messages"),
+    ({"prompt": "", "chosen": " Paris.", "rejected": " Rome."}, "pairs.jsonl:3: the prompt is empty"),
+    ({"prompt": "Hi " * 40, "chosen": " Paris.", "rejected": " Rome."},
+     "pairs.jsonl:3: the pair takes 250 tokens"),
+    ("not json", "pairs.jsonl:3: not a JSON object"),
+], ids=["chosen_equals_rejected", "no_rejected", "no_prompt", "mixed_kinds", "empty_prompt", "too_long", "not_json"])
+def test_bad_pairs_are_one_line_naming_file_line_and_fix_and_write_nothing(hf_models, tmp_path, line, expected):
+    from parallax.train import train_and_evaluate
+
+    config = _file_config(tmp_path, hf_models[0], n=4)
+    path = tmp_path / "pairs.jsonl"
+    lines = path.read_text().splitlines()
+    lines.insert(2, line if isinstance(line, str) else json.dumps(line))
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as e:
+        train_and_evaluate(config, str(tmp_path / "run"), devices=jax.devices()[:1], log=lambda *_: None)
+    message = str(e.value)
+    print(message)
+    assert expected in message and "\n" not in message and str(path) in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_dpo_refuses_diloco_and_2bw_and_an_unknown_loss_in_one_line():
+    from parallax.plan import make_plan
+
+    for mesh, key, value, expected in [
+            (dict(replica=2), None, None, "config.mesh.replica=2: DPO"),
+            (dict(pipe=2), "pipeline.schedule", "2bw", "DPO (data.source='preference') needs a flushing schedule"),
+            ({}, "dpo.loss_type", "hinge", "config.dpo.loss_type='hinge': expected one of sigmoid, ipo")]:
+        config = _config(**mesh)
+        if key:
+            section, name = key.split(".")
+            config[section][name] = value
+        with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            make_plan(config, 2 if mesh else 1)
