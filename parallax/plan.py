@@ -173,4 +173,6 @@ def _auto_layout(plan):
 
 def abstract_batch(config) -> dict:
     """ShapeDtypeStructs of one global batch of `config` (a plan has its own: `Plan.abstract_batch`)."""
-    return train_settings.batch_shapes(config.train.global_batch_size, config.train.seq_len)
+    t = config.train
+    extra = dpo_settings.batch_shapes(t.global_batch_size, t.seq_len) if config.data.source == "preference" else {}
+    return {**train_settings.batch_shapes(t.global_batch_size, t.seq_len), **extra}
