@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 
 from parallax import data as data_lib
-from parallax import diloco_settings, lora as lora_lib, optim, sharding, train_settings
+from parallax import diloco_settings, dpo_settings, lora as lora_lib, optim, sharding, train_settings
 from parallax import mesh as mesh_lib
 from parallax import model as model_lib
 from parallax.errors import ConfigError
@@ -60,6 +60,7 @@ class Plan:
     def trainable(self) -> dict | None:
         """Per parameter leaf, whether training updates it (LoRA: the adapters only); None: every one."""
         return lora_lib.trainable_mask(self.logical) if self.lora.enabled else None
+    dpo: dpo_settings.DpoSettings | None = None  # preference pairs (data.source='preference'): DPO's loss
 
     @property
     def schedule(self) -> Schedule | None:
@@ -76,8 +77,10 @@ class Plan:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params))
 
     def abstract_batch(self) -> dict:
-        """ShapeDtypeStructs of one global batch."""
-        return self.train.abstract_batch()
+        """ShapeDtypeStructs of one global batch (with DPO, its preference keys too)."""
+        t = self.train
+        extra = dpo_settings.batch_shapes(t.global_batch_size, t.seq_len) if self.dpo is not None else {}
+        return {**t.abstract_batch(), **extra}
 
     def new_model(self, seed: int) -> model_lib.Model:
         return build_model(self.model_class, self.model_config, self.lora, seed)
@@ -138,6 +141,9 @@ def _make_plan(config, num_devices, platform):
         # stored as the executor reads it: the embedding and head split over pipe (x tensor), pipe-major
         rules = {**rules, "vocab": ("pipe", *sharding.spec_axes(rules["vocab"]))}
     attention = attention_lib.resolve(m, sizes, train.seq_len, platform)
+    dpo = None
+    if config.data.source == "preference":
+        dpo = dpo_settings.resolve(config.dpo, sizes, pipeline.schedule is not None and pipeline.schedule.steady)
     kernels = dict(attention_block=attention.block, loss_chunk=attention.loss_chunk, platform=platform,
                    attention_impl=attention.impl)
     par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding
@@ -153,10 +159,10 @@ def _make_plan(config, num_devices, platform):
         optim=optimizer, pipeline=pipeline, diloco=diloco, attention=attention, remat=str(m.remat),
         num_layers=int(m.num_layers), platform=platform, lora=lora)
     if pipeline.schedule is None:
-        return plan
-    parts = Parts.make(plan)  # what the model's parts read, traced once: the pipeline's checks and layout
+        return dataclasses.replace(plan, dpo=dpo)
+    parts = Parts.make(plan)  # what the model's parts read (of the language model's batch), traced once
     pipeline_settings.check_parts(pipeline, parts, logical)
-    return _auto_layout(dataclasses.replace(plan, parts=parts))
+    return _auto_layout(dataclasses.replace(plan, parts=parts, dpo=dpo))
 
 
 def build_model(cls, model_config, lora: lora_lib.LoraSettings, seed: int) -> model_lib.Model:
@@ -181,4 +187,6 @@ def _auto_layout(plan):
 
 def abstract_batch(config) -> dict:
     """ShapeDtypeStructs of one global batch of `config` (a plan has its own: `Plan.abstract_batch`)."""
-    return train_settings.batch_shapes(config.train.global_batch_size, config.train.seq_len)
+    t = config.train
+    extra = dpo_settings.batch_shapes(t.global_batch_size, t.seq_len) if config.data.source == "preference" else {}
+    return {**train_settings.batch_shapes(t.global_batch_size, t.seq_len), **extra}

@@ -27,7 +27,7 @@ from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import lora
 from parallax import mesh as mesh_lib
-from parallax import optim
+from parallax import dpo_settings, optim, preference
 from parallax import steps
 from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
@@ -128,6 +128,14 @@ def _check_tokens_path(d) -> None:
 
 def make_dataset(config, tokenizer=None) -> data_lib.Dataset:
     d, t = config.data, config.train
+    if d.source == "preference":  # DPO pairs, tokenized now: a bad row stops the run before anything is written
+        dataset = preference.make_dataset(
+            d.path, tokenizer, dpo_settings.resolve(config.dpo, {}, False), seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size, seed=t.seed, eval_fraction=d.eval_fraction, sampler=d.sampler)
+        if t.eval_every and dataset.streams["eval"] is None:
+            raise ConfigError(f"config.data.eval_fraction={d.eval_fraction}: {d.path} has no eval pairs; raise "
+                              "eval_fraction or set train.eval_every=0")
+        return dataset
     _check_tokens_path(d)
     try:
         dataset = data_lib.make_dataset(
@@ -259,6 +267,8 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
     close, stop = True, _StopSignals()
     try:
         state = _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer)
+        if isinstance(dataset, preference.PreferenceDataset):
+            set_reference(trainer, dataset, state, workdir, lead, log)
         if lead:
             tensorboard = TensorBoardWriter(workdir / "tb", int(state["step"]))
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
@@ -363,6 +373,58 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
     if lead:  # only once the state is in hand: a refused resume leaves the workdir as it was
         _truncate_metrics(workdir / "metrics.jsonl", start or 0)
     return state
+
+
+REFERENCE_FILE = "reference_logps.npz"
+
+
+def reference_logps(trainer, dataset, params, split: str) -> np.ndarray:
+    """[pairs, 2]: the log-prob sums of `split`'s chosen and rejected responses under `params` (forward only,
+    on the run's mesh and step path), in file order, a global batch at a time (the last one padded)."""
+    from parallax.steps import dpo
+
+    fn = jax.jit(lambda p, b: dpo.response_logps(trainer.path, p, b),
+                 out_shardings=jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec()))
+    n, size = len(dataset.pairs[split]), trainer.plan.train.global_batch_size
+    lo, hi = trainer.host_rows()
+    out = []
+    for start in range(0, n, size):
+        indices = [i if i < n else -1 for i in range(start + lo, start + hi)]
+        batch = trainer.device_batch(dataset.rows(split, indices, with_reference=False))
+        out.append(np.asarray(jax.device_get(fn(params, batch)))[:n - start])
+    return np.concatenate(out)
+
+
+def set_reference(trainer, dataset, state, workdir, lead, log) -> None:
+    """Gives `dataset` the reference's sums: computed from the starting parameters at step 0 (TRL's
+    precompute_ref_log_probs; with LoRA the start is the base model) and kept in `WORKDIR/reference_logps.npz`
+    for the resumes, which read it back (checked against the pairs' fingerprint)."""
+    path = workdir / REFERENCE_FILE
+    if int(state["step"]) > 0:
+        try:
+            with path.open("rb") as f:
+                stored = dict(np.load(f))
+        except FileNotFoundError:
+            raise ConfigError(f"--workdir={workdir}: a DPO run past step 0 without {REFERENCE_FILE} (the reference "
+                              "log-probs of its starting model); put it back, or start a new --workdir") from None
+        if str(stored["fingerprint"]) != dataset.fingerprint:
+            raise ConfigError(f"{path}: computed on other preference pairs than config.data.path="
+                              f"{dataset.path!r} gives; train on the pairs this run started with, or use a new --workdir")
+        for split in preference.SPLITS:
+            dataset.set_reference(split, stored[split])
+        return
+    t0 = time.perf_counter()
+    sums = {split: reference_logps(trainer, dataset, state["params"], split) if dataset.pairs[split]
+            else np.zeros((0, 2), np.float32) for split in preference.SPLITS}
+    for split in preference.SPLITS:
+        dataset.set_reference(split, sums[split])
+    if lead:
+        tmp = workdir / (REFERENCE_FILE + ".tmp")
+        with tmp.open("wb") as f:
+            np.savez(f, fingerprint=np.asarray(dataset.fingerprint), **sums)
+        tmp.replace(path)
+    log(f"dpo: reference log-probs of {len(sums['train'])} train and {len(sums['eval'])} eval pairs from the "
+        f"starting model in {time.perf_counter() - t0:.1f}s ({path})")
 
 
 def _truncate_metrics(path, step: int) -> None:

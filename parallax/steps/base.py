@@ -95,6 +95,9 @@ class StepPath:
         """(mean loss, gradients, aux) of a batch: the weighted token mean over the *global* batch, in
         `train.microbatches` pieces accumulated in fp32 (each contributes its sum over the global weight
         total, so accumulation is exact); aux summed over the pieces. The loss includes the aux losses."""
+        if self.plan.dpo is not None:  # preference pairs: DPO's loss, by two passes of this path
+            from parallax.steps import dpo
+            return dpo.loss_grads_metrics(self, params, batch)[:3]
         total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
         m = self.plan.train.microbatches
         if m == 1:
@@ -114,7 +117,11 @@ class StepPath:
 
     def eval_sums(self, params, batch):
         """[weighted loss sum, weight total] of one batch, forward only, in `train.microbatches` pieces as
-        training does (so eval fits wherever a training step fits)."""
+        training does (so eval fits wherever a training step fits). With DPO: [sum of the pairs' losses,
+        number of pairs]."""
+        if self.plan.dpo is not None:
+            from parallax.steps import dpo
+            return dpo.eval_sums(self, params, batch)
         m = self.plan.train.microbatches
         if m == 1:
             loss = self.sum(params, batch)
@@ -166,7 +173,12 @@ class StepPath:
     def train_step(self, update, state, batch, kind=None):
         """(state, metrics) after one step; `update(state, batch, loss, grads, aux)` is the trainer's
         optimizer update; `kind`: `step_kind` of this step, or None. Synchronous: the gradient of this
-        batch at this step's weights."""
+        batch at this step's weights. With DPO, TRL's metrics ride along (`metrics['path']`)."""
+        if self.plan.dpo is not None:
+            from parallax.steps import dpo
+            loss, grads, aux, extra = dpo.loss_grads_metrics(self, state["params"], batch)
+            state, metrics = update(state, batch, loss, grads, aux)
+            return state, {**metrics, "path": extra}
         loss, grads, aux = self.loss_grads_aux(state["params"], batch)
         return update(state, batch, loss, grads, aux)
 
