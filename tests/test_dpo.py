@@ -186,8 +186,10 @@ def test_dpo_with_lora_has_the_base_as_its_reference_and_trains_only_the_adapter
 
 # --- TRL's DPOTrainer at step 0 ------------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers", reason="TRL parity needs transformers ('.[dev]')")
-trl = pytest.importorskip("trl", reason="TRL parity needs trl ('.[dev]')")
+def _hf_libraries():
+    """(transformers, trl), or the test skipped (the Python 3.12 leg has neither; the tests above run there)."""
+    return (pytest.importorskip("transformers", reason="TRL parity needs transformers ('.[dev]')"),
+            pytest.importorskip("trl", reason="TRL parity needs trl ('.[dev]')"))
 
 CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -196,6 +198,7 @@ CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 def hf_models(tmp_path_factory):
     """(policy dir, reference dir, transformers tokenizer): two tiny Llamas (other seeds) sharing a byte-level
     BPE with ChatML's tokens and Qwen 2.5's chat template (the file TRL ships)."""
+    transformers, trl = _hf_libraries()
     torch = pytest.importorskip("torch")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -238,6 +241,7 @@ def test_loss_and_metrics_at_step_0_equal_trl_dpo_trainer(hf_models, tmp_path, l
     """TRL's DPOTrainer (its own reference model) on 4 pairs: its loss and metrics on its collated batch;
     parallax imports both models, prepares the same file, computes the reference's sums by its reference pass
     and takes the step-0 loss and metrics: the same ids, and equal at fp32 1e-5."""
+    transformers, trl = _hf_libraries()
     torch = pytest.importorskip("torch")
     datasets = pytest.importorskip("datasets")
     from parallax import hf
