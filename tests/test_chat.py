@@ -311,3 +311,48 @@ def test_chat_prompt_is_transformers_generation_prompt_and_sampling_stops_at_the
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
     assert chat.render(ours, history, continue_final=True) == tokenizers["chatml"][1].apply_chat_template(
         history, chat_template=chat.NAMED["chatml"], tokenize=False, continue_final_message=True)
+
+
+def test_masked_tokens_are_the_assistant_turns_with_tools_and_the_turn_end_is_the_templates_own(tokenizers):
+    """By text, not by another mask: with tools in the row (Llama 3.1's template renders them into the
+    system turn, moving every later character), the masked tokens decode to the assistant turns and their
+    ends, and nothing else. A named template's turn end is its own token where that differs from the
+    tokenizer's eos (ChatML's <|im_end|> on a Llama 3 tokenizer, whose eos is <|eot_id|>)."""
+    path, fast = tokenizers["llama3"]
+    tok = tok_lib.load(path)
+    template = chat.resolve(os.path.join(TRL_TEMPLATES, "llama3_1.jinja"), tok)
+    tools = [{"type": "function", "function": {"name": "capital", "description": "The capital of a country",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    row = {"messages": CONVERSATION[1:], "tools": tools}
+    ids, mask = chat.tokenize(tok, template, row)
+    kept = fast.decode([i for i, m in zip(ids, mask) if m])
+    assert kept == "I am fine, thank you.<|eot_id|>Paris is.<|eot_id|>", kept
+    without_tools, _ = chat.tokenize(tok, template, {"messages": CONVERSATION[1:]})
+    assert len(ids) > len(without_tools) + 10  # the tools were rendered
+    chatml = chat.resolve("chatml", tok)
+    assert tok.eos_id != fast.convert_tokens_to_ids("<|im_end|>")
+    assert chat.turn_end_id(tok, chatml) == fast.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_a_documents_bos_follows_add_bos_token_and_lm_eval_without_a_chat_template_gets_none(tokenizers, tmp_path):
+    """tokenizer_config.json's add_bos_token decides whether documents start with bos (a tokenizer that has
+    a bos but says false does not get one); the lm-eval adapter's chat_template(False) (lm-eval's call when
+    --apply_chat_template is off) is None."""
+    path = tokenizers["llama3"][0]
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    bos = tokenizers["llama3"][1].convert_tokens_to_ids("<|begin_of_text|>")
+    for add in (True, False):
+        copy = str(tmp_path / f"add_{add}")
+        shutil.copytree(path, copy)
+        with open(os.path.join(copy, "tokenizer_config.json"), "w") as f:
+            json.dump({**config, "add_bos_token": add}, f)
+        tok = tok_lib.load(copy)
+        assert tok.bos_id == bos and (tok.documents(["Hello"])[0][0] == bos) == add, add
+        assert tok.documents(["Hello"])[0][-1] == tok.eos_id
+    from types import SimpleNamespace
+
+    from parallax.harness import ParallaxLM
+    lm = SimpleNamespace(_template=lambda: chat.resolve("chatml", tok_lib.load(path)))
+    assert ParallaxLM.chat_template(lm, False) is None and ParallaxLM.chat_template(lm, None) is None
+    assert ParallaxLM.chat_template(lm, True) == chat.NAMED["chatml"]

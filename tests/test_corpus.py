@@ -548,3 +548,28 @@ def test_inputs_name_sources_walk_directories_and_sample_a_byte_budget(tmp_path,
     with pytest.raises(ConfigError, match=r"^t\.parquet: reading parquet / datasets files needs pyarrow; "
                                           r"pip install pyarrow \(or parallax\[data\]\)$"):
         prep._pyarrow("t.parquet")
+
+
+def test_mixture_weights_parse_as_written_and_an_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
+    """parse_mixture by hand: fractional and zero weights are read as written, a weight without a name or
+    a negative one is refused; a shard whose highest id is vocab_size (one past the last id) is refused and
+    one whose highest is vocab_size - 1 is not."""
+    assert data_lib.parse_mixture("web=0.7, code=0.25,math=0") == {"web": 0.7, "code": 0.25, "math": 0.0}
+    for bad in ("=0.5", "web=-1", "web=0.5,web=0.5", "web"):
+        with pytest.raises(data_lib.DataError, match=r"^mixture=.*: cannot read .*; write NAME=WEIGHT pairs"):
+            data_lib.parse_mixture(bad)
+    tok = tok_lib.ByteTokenizer(256)
+    for highest, ok in ((299, True), (300, False)):
+        out = tmp_path / f"h{highest}"
+        out.mkdir()
+        entry = shard_lib.write_shard(str(out), "main-00000", [np.array([1, 2, highest, 256] * 20)], "uint16")
+        tok.copy_to(str(out / "tokenizer"))
+        with open(out / shard_lib.MANIFEST, "w") as f:
+            json.dump(prep._manifest(tok, "uint16", [("main", "-")], [entry | {"source": "main"}]), f)
+        make = lambda: data_lib.make_dataset("tokens", str(out), seq_len=8, global_batch_size=2, seed=0,  # noqa: E731
+                                             vocab_size=300)
+        if ok:
+            assert make().batch(0)["inputs"].shape == (2, 8)
+        else:
+            with pytest.raises(data_lib.DataError, match=r"holds id 300, outside vocab_size=300; raise "):
+                make()
