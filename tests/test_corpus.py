@@ -541,6 +541,20 @@ def test_inputs_name_sources_walk_directories_and_sample_a_byte_budget(tmp_path,
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": \n')
     with pytest.raises(ConfigError, match=r"^bad\.jsonl:3: not JSON \(.*\); each line must be one JSON object$"):
         prep.iter_texts(["bad.jsonl"])
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    rows = [f"row {i} " * (i + 1) for i in range(5)]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "small.parquet", row_group_size=2)  # groups 2, 2, 1
+    assert list(prep.iter_texts(["small.parquet"])) == rows  # one unit up to the last group, which ends it
+    units, _ = prep.plan_units([("pq", "small.parquet")], 1)  # a unit per row group
+    assert [(u.start, u.stop) for u in units] == [(0, 1), (1, 2), (2, 3)]  # row groups
+    assert [t for u in units for t in prep.read_unit(u)] == rows
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": [f"document {i} " * 20 for i in range(60)]}).save_to_disk("ds")
+    nbytes = sum(os.path.getsize(f) for f in prep._arrow_files("ds"))
+    units, _ = prep.plan_units([("hf", "ds")], nbytes // 6)  # about a sixth of the rows per unit
+    assert 5 <= len(units) <= 8 and sum(u.stop - u.start for u in units) == 60, [(u.start, u.stop) for u in units]
+    assert [t for u in units for t in prep.read_unit(u)] == [f"document {i} " * 20 for i in range(60)]
     import builtins
     real_import = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
