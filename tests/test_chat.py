@@ -350,6 +350,8 @@ def test_a_documents_bos_follows_add_bos_token_and_lm_eval_without_a_chat_templa
         tok = tok_lib.load(copy)
         assert tok.bos_id == bos and (tok.documents(["Hello"])[0][0] == bos) == add, add
         assert tok.documents(["Hello"])[0][-1] == tok.eos_id
+        assert (tok.prompt("Hello")[0] == bos) == add and tok.prompt("Hello")[-1] != tok.eos_id
+    assert tok_lib.ByteTokenizer(None).vocab_size == 256 and tok_lib.ByteTokenizer(300).vocab_size == 301
     from types import SimpleNamespace
 
     from parallax.harness import ParallaxLM

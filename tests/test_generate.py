@@ -149,6 +149,8 @@ def test_bad_inputs_are_one_line_errors(llama):
     seq = trainer.config.train.seq_len
     for prompts, kwargs, match in (([[1], []], {}, "prompt 1 is empty"),
                                    ([[1, 999]], {}, "token id 999 outside the vocabulary"),
+                                   ([[1, trainer.config.model.vocab_size]], {},  # one past the last id
+                                    f"token id {trainer.config.model.vocab_size} outside the vocabulary"),
                                    ([[1]], dict(top_p=0.0), "top_p=0.0"),
                                    ([[1]], dict(temperature=-1), "temperature=-1")):
         with pytest.raises(ConfigError, match=match):
