@@ -23,6 +23,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -354,3 +355,17 @@ def test_usp_degree_is_the_largest_proper_divisor_the_heads_allow():
             for kv in (k for k in (1, 2, 3, 4, 8, 16) if heads % k == 0):
                 fits = [u for u in range(2, s) if s % u == 0 and heads % u == 0 and (kv % u == 0 or u % kv == 0)]
                 assert sequence.usp_degree(s, heads, kv) == max(fits, default=1), (s, heads, kv)
+
+
+def test_usp_checks_with_the_default_degree_and_name_the_zigzag_multiple():
+    """usp with ulysses_degree 0 takes usp_degree's choice (here 2 of 4 ranks: 2 heads), and a seq_len the
+    ring's zigzag cannot split is refused with the multiple it needs (2 * seq)."""
+    from parallax.parallel.sequence import check_sequence_parallel, usp_degree
+
+    assert usp_degree(4, 2, 2) == 2
+    check_sequence_parallel("usp", 4, 2, 2, 16)  # Ulysses over 2 ranks, a ring of 2
+    with pytest.raises(ValueError, match=r"^ulysses: num_heads=2 is not divisible by 4 ranks"):
+        check_sequence_parallel("usp", 4, 2, 2, 16, ulysses=4)
+    with pytest.raises(ValueError, match=r"^usp: seq_len=12 is not divisible by 2\*seq=8 \(zigzag layout of its "
+                                         r"ring\): use a seq_len that is a multiple of 8$"):
+        check_sequence_parallel("usp", 4, 2, 2, 12)
