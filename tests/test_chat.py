@@ -358,3 +358,31 @@ def test_a_documents_bos_follows_add_bos_token_and_lm_eval_without_a_chat_templa
     lm = SimpleNamespace(_template=lambda: chat.resolve("chatml", tok_lib.load(path)))
     assert ParallaxLM.chat_template(lm, False) is None and ParallaxLM.chat_template(lm, None) is None
     assert ParallaxLM.chat_template(lm, True) == chat.NAMED["chatml"]
+
+
+def test_rows_the_mask_cannot_be_made_for_are_refused_with_their_whole_message():
+    """Each refusal of a chat row, word for word (prepare prefixes `file:line: `): an empty message list, a
+    row of neither kind, tools that are not JSON, a template that renders the prompt differently once the
+    completion follows, {% generation %} blocks that mark nothing; and which rows are chat rows at all."""
+    chatml = chat.Template("chatml", chat.NAMED["chatml"])
+    shifty = chat.Template("shifty", "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}"
+                                     "{% endfor %}")
+    empty_blocks = chat.Template("empty", "{% for m in messages %}{{ m.content }}{% generation %}"
+                                          "{% endgeneration %}{% endfor %}")
+    user = [{"role": "user", "content": "hi"}]
+    for template, row, message in (
+            (chatml, {"messages": []}, "'messages' is an empty list, not a list of messages"),
+            (chatml, {"text": "x", "id": 1}, "neither 'messages' nor 'prompt' and 'completion' (it has: id, text)"),
+            (chatml, {"messages": user + [{"role": "assistant", "content": "yo"}], "tools": "{not json"},
+             "'tools' is a string but not JSON"),
+            (shifty, {"prompt": "hi", "completion": "yo"}, "shifty renders the prompt differently once the "
+             "completion follows, so the completion cannot be told apart; pass --loss_on=all or another "
+             "--chat_template"),
+            (empty_blocks, {"messages": user + [{"role": "assistant", "content": "yo"}]}, "empty has "
+             "{% generation %} blocks but they mark nothing of this conversation; fix the template, or pass "
+             "--loss_on=all")):
+        with pytest.raises(chat.ChatError) as e:
+            chat.assistant_text(template, row)
+        assert str(e.value) == message, (row, str(e.value))
+    assert chat.is_chat({"prompt": "a", "completion": "b"}) and chat.is_chat({"messages": []})
+    assert not chat.is_chat({"completion": "b"}) and not chat.is_chat({"prompt": "a"}) and not chat.is_chat([1])
