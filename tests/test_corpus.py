@@ -549,6 +549,17 @@ def test_inputs_name_sources_walk_directories_and_sample_a_byte_budget(tmp_path,
     units, _ = prep.plan_units([("pq", "small.parquet")], 1)  # a unit per row group
     assert [(u.start, u.stop) for u in units] == [(0, 1), (1, 2), (2, 3)]  # row groups
     assert [t for u in units for t in prep.read_unit(u)] == rows
+    pq.write_table(pa.table({"body": rows}), tmp_path / "body.parquet")
+    with pytest.raises(ConfigError) as e:
+        prep.iter_texts(["body.parquet"])
+    assert str(e.value) == "body.parquet: no 'text' column (it has: body); pass --text_field=NAME"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("not a preparation's")
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(["small.parquet"], "full", progress=False, log=lambda *_: None)
+    assert str(e.value) == ("--output=full: not empty and not a preparation's directory (no prepare.json); pass "
+                            "a new or empty --output")
+    assert os.listdir(tmp_path / "full") == ["mine.txt"]
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": [f"document {i} " * 20 for i in range(60)]}).save_to_disk("ds")
     nbytes = sum(os.path.getsize(f) for f in prep._arrow_files("ds"))
