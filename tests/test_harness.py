@@ -162,6 +162,26 @@ def test_an_hf_directory_scores_like_the_run_it_was_exported_from(workdir, lm, t
     got, want = from_hf._loglikelihood_tokens(requests), lm._loglikelihood_tokens(requests)
     assert [g for _, g in got] == [g for _, g in want]
     np.testing.assert_allclose([s for s, _ in got], [s for s, _ in want], rtol=1e-6)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    for key, value in (("max_position_embeddings", 24), ("n_positions", 20)):  # Llama's name, GPT-2's
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({k: v for k, v in config.items() if k not in ("max_position_embeddings", "n_positions")}
+                      | {key: value}, f)
+        assert ParallaxLM(hf_dir=out).max_length == value, key
+
+
+def test_generation_settings_are_greedy_unless_the_task_samples(lm):
+    """_gen_settings by hand: lm-eval's gen_kwargs -> (stop strings, new tokens, the sampler's keywords);
+    greedy by default, the task's temperature / top_k / top_p / seed when it samples."""
+    assert lm._gen_settings({}) == ([], harness.MAX_GEN_TOKS, (("temperature", 0.0),))
+    assert lm._gen_settings({"until": "\n", "max_gen_toks": 3, "do_sample": True}) == (
+        ["\n"], 3, (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", 0)))
+    until, n, sampling = lm._gen_settings({"until": ["a", "b"], "do_sample": True, "temperature": 0.5,
+                                           "top_k": 3, "top_p": 0.9, "seed": 2})
+    assert (until, n, sampling) == (["a", "b"], harness.MAX_GEN_TOKS, (("temperature", 0.5), ("top_k", 3),
+                                                                         ("top_p", 0.9), ("seed", 2)))
+    assert len(lm._generate([list(b"the cat")], 2, sampling)[0]) <= 2  # the keywords are the sampler's
 
 
 TASKS = {
