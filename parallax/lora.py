@@ -12,7 +12,8 @@ and B its output-dim names, so under any rules each rank's A @ B is exactly its 
 the merge adds no collective, and FSDP / tensor / pipeline stages shard and cut the adapters as they do
 their weights. Which of W's dims are its input comes from the model's HF mapping (`hf_sources`: an HF
 Linear weight is [out, in], a Conv1D [in, out]: `Model.hf_in_axis`); a target that is a part of a fused
-HF tensor (GPT-2's c_attn) is refused, and so is a model without a mapping (the MoE model: no experts).
+HF tensor (a fused q|k|v projection such as c_attn) is refused, and so is a model without a mapping (the
+MoE model: no experts).
 
 The merged weight is a `jax.custom_vjp` whose backward needs only A and B, and which the remat policies do
 not save (`LORA_MERGED`): the backward recomputes the rank-r product rather than keeping a copy of every

@@ -158,7 +158,7 @@ class Model(nnx.Module):
     # the mapping both ways. A model without them simply cannot be imported or exported.
     hf_architectures: tuple[str, ...] = ()
     # The axis of an HF two-dim weight that is its input: 1 for torch's Linear [out, in], 0 for a Conv1D
-    # [in, out] (GPT-2). LoRA (`parallax.lora`) reads from it which of a weight's dims are inputs.
+    # [in, out]. LoRA (`parallax.lora`) reads from it which of a weight's dims are inputs.
     hf_in_axis: int = 1
 
     @staticmethod
