@@ -15,7 +15,8 @@ from parallax.train import make_dataset, train_and_evaluate
 from parallax.trainer import Trainer
 
 LAYOUTS = [
-    ("llama", dict(pipe=2, tensor=2, data=2)),
+    # (pipe 2 x tensor 2 x data 2: dropped for CI time; tensor in stages in bf16: the ring and gpt2 cases, and
+    # LoRA's and 2bw's bf16 pipeline runs)
     ("llama", dict(pipe=2, seq=2, data=2, attention="allgather")),  # its k|v gather once crashed XLA:CPU in bf16
     ("llama", dict(pipe=2, seq=2, tensor=2, attention="ring")),  # k|v shifted by grouped all-to-alls in stages
     ("llama", dict(pipe=2, seq=4, attention="usp", zero_seq=True)),  # Ulysses pairs x ring over 2, in stages
