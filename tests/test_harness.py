@@ -242,14 +242,6 @@ def test_lm_eval_command_line_runs_local_tasks_and_prints_the_table(workdir, lm,
     assert results["local_ppl"]["bits_per_byte,none"] == pytest.approx(bits_per_byte, rel=1e-4)
 
 
-def test_the_command_line_exits_2_with_one_line_on_a_bad_model_arg(workdir, tmp_path):
-    r = run_launcher("harness", "--model", "parallax", "--model_args", f"workdir={workdir},dtype=bf16",
-                     "--tasks", "local_mc", "--include_path", str(tmp_path), env=_write_tasks(tmp_path), timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1] == ("config error: --model_args dtype=bf16: not an argument of the "
-                                                 f"parallax model; it takes {harness._ARGS}")
-
-
 def test_main_checks_the_run_and_the_tasks_before_the_model_loads(workdir, tmp_path, monkeypatch, capsys):
     """harness.main in this process (the launcher's subprocess tests run the same code where a mutation
     tool cannot see it): each bad input exits 2 with one stderr line naming it; a good one reaches lm-eval's
