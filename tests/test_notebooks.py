@@ -8,7 +8,7 @@ import pytest
 
 from helpers import ROOT
 
-NOTEBOOKS = ("quickstart", "custom_model", "schedules")
+NOTEBOOKS = ("quickstart", "custom_model", "schedules", "fine_tuning")
 STEPS = "12"  # PARALLAX_NOTEBOOK_STEPS: enough to log, evaluate, checkpoint and sample
 
 
@@ -65,6 +65,15 @@ def test_custom_model_notebook_trains_a_notebook_model_on_pipe_and_fsdp(tmp_path
     assert f"step {STEPS}/{STEPS}" in text
     assert "P('pipe', 'fsdp')" in text  # stacked block weights: layers over pipe, embed over fsdp
     assert _images(_tagged(nb, "loss-plot"))
+
+
+@pytest.mark.slow
+def test_fine_tuning_notebook_imports_trains_lora_samples_and_exports_what_transformers_repeats(tmp_path, monkeypatch):
+    pytest.importorskip("transformers", reason="the notebook's stand-in model and its last check need '.[dev]'")
+    nb = _execute("fine_tuning", tmp_path, monkeypatch)
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "mesh fsdp=2 pipe=2" in text and f"step {STEPS}/{STEPS}" in text
+    assert "as a peft adapter directory" in text and "same as parallax: True" in text
 
 
 def test_schedules_notebook_draws_every_schedule(tmp_path, monkeypatch):
