@@ -115,3 +115,28 @@ def bf16_train_eval_resume(config, workdir):
     second = train_and_evaluate(config, str(workdir), log=lambda *_: None)
     assert [r["step"] for r in second.history] == [3, 4]
     assert all(np.isfinite(x) and 0 < x < 10 for x in (first.eval_loss, second.eval_loss))
+
+
+def byte_level_bpe(texts, vocab_size, special_tokens):
+    """A `tokenizers` byte-level BPE trained on `texts`, with `special_tokens` first (ids 0..)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    rust.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special_tokens), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return rust
+
+
+def tiny_hf_llama(vocab_size, seed=0, **changes):
+    """A tiny random `transformers` Llama in fp32 eval mode (2 layers of width 32, 4 heads over 2 kv heads,
+    untied), seeded; `changes` are LlamaConfig fields."""
+    import torch
+    import transformers
+
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=5000.0,
+                  max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **changes})).float().eval()

@@ -17,6 +17,7 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="chat parity needs transformers ('.[dev]')")
 trl = pytest.importorskip("trl", reason="chat parity needs trl ('.[dev]')")
 
+from helpers import byte_level_bpe, tiny_hf_llama  # noqa: E402
 from parallax import chat  # noqa: E402
 from parallax import corpus as shard_lib  # noqa: E402
 from parallax import data as data_lib  # noqa: E402
@@ -49,14 +50,8 @@ def _template(name):
 def tokenizers(tmp_path_factory):
     """name -> (directory, transformers tokenizer): a byte-level BPE with Llama 3's and ChatML's special
     tokens, saved by transformers with that family's bos / eos and no chat template of its own."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rust = Tokenizer(models.BPE())
-    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     words = ["Hello, how are you today? I am fine, thank you very much.", "What is the capital of France? Paris."]
-    rust.train_from_iterator(words * 20, trainers.BpeTrainer(
-        vocab_size=360, special_tokens=CHATML + LLAMA3, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    rust = byte_level_bpe(words * 20, 360, CHATML + LLAMA3)
     out = {}
     for name, special in TOKENIZERS.items():
         path = str(tmp_path_factory.mktemp(f"tok_{name}"))
@@ -156,12 +151,7 @@ def test_sft_loss_at_step_0_equals_trl_completion_only_loss(tokenizers, tmp_path
     from parallax.trainer import Trainer
 
     hf_dir, fast = _with_template(tokenizers, "chatml", _template("qwen2_5"), tmp_path)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                                      rope_theta=5000.0, max_position_embeddings=512, tie_word_embeddings=False,
-                                      initializer_range=0.2)
-    model = transformers.LlamaForCausalLM(config).float().eval()
+    model = tiny_hf_llama(384)
     model.save_pretrained(hf_dir)
     rows = [{"prompt": [{"role": "user", "content": f"Hello {i}, how are you?"}],
              "completion": [{"role": "assistant", "content": f"I am fine {i}, thank you."}]} for i in range(4)]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import max_leaf_rel_err, read_metrics, rel_err, tiny_config
+from helpers import byte_level_bpe, max_leaf_rel_err, read_metrics, rel_err, tiny_config, tiny_hf_llama
 from parallax import model as model_lib
 from parallax import preference
 from parallax.errors import ConfigError
@@ -199,15 +199,9 @@ def hf_models(tmp_path_factory):
     """(policy dir, reference dir, transformers tokenizer): two tiny Llamas (other seeds) sharing a byte-level
     BPE with ChatML's tokens and Qwen 2.5's chat template (the file TRL ships)."""
     transformers, trl = _hf_libraries()
-    torch = pytest.importorskip("torch")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rust = Tokenizer(models.BPE())
-    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    pytest.importorskip("torch")
     words = ["Hello, how are you today? I am fine, thank you very much.", "What is the capital of France? Paris."]
-    rust.train_from_iterator(words * 20, trainers.BpeTrainer(
-        vocab_size=360, special_tokens=CHATML, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    rust = byte_level_bpe(words * 20, 360, CHATML)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<|im_end|>",
                                                 pad_token="<|endoftext|>")
     with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5.jinja")) as f:
@@ -216,12 +210,7 @@ def hf_models(tmp_path_factory):
     for name, seed in (("policy", 0), ("reference", 1)):
         path = str(tmp_path_factory.mktemp(name))
         fast.save_pretrained(path)
-        torch.manual_seed(seed)
-        config = transformers.LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                                          rope_theta=5000.0, max_position_embeddings=512, tie_word_embeddings=False,
-                                          initializer_range=0.2)
-        transformers.LlamaForCausalLM(config).float().eval().save_pretrained(path)
+        tiny_hf_llama(384, seed).save_pretrained(path)
         dirs.append(path)
     return dirs[0], dirs[1], fast
 

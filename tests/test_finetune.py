@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import read_metrics, run_launcher
+from helpers import byte_level_bpe, read_metrics, run_launcher
 
 transformers = pytest.importorskip("transformers", reason="the fine-tuning recipe's references need '.[dev]'")
 peft = pytest.importorskip("peft", reason="the fine-tuning recipe's references need '.[dev]'")
@@ -28,14 +28,8 @@ CAPITALS = {"France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tok
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny random Llama saved by transformers with a BPE tokenizer carrying Llama 3's chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     words = [f"What is the capital of {c}? The capital of {c} is {p}." for c, p in CAPITALS.items()]
-    rust = Tokenizer(models.BPE())
-    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    rust.train_from_iterator(words * 10, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    rust = byte_level_bpe(words * 10, 320, SPECIAL)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<|begin_of_text|>",
                                                eos_token="<|eot_id|>")
     with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "llama3.jinja")) as f:

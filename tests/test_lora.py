@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft", reason="peft parity needs peft ('.[dev]')")
 
 from flax import nnx  # noqa: E402
 
-from helpers import assert_parity, rel_err, tiny_config  # noqa: E402
+from helpers import assert_parity, rel_err, tiny_config, tiny_hf_llama  # noqa: E402
 from parallax import hf, lora  # noqa: E402
 from parallax.errors import ConfigError  # noqa: E402
 from parallax.model import forward  # noqa: E402
@@ -48,12 +48,7 @@ def _randomize_adapters(trainer, params, seed=0, std=0.3):
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
     """(HF dir, the transformers model): a tiny random Llama, fp32."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                                      rope_theta=5000.0, max_position_embeddings=64, tie_word_embeddings=False,
-                                      initializer_range=0.2)
-    model = transformers.LlamaForCausalLM(config).float().eval()
+    model = tiny_hf_llama(64, max_position_embeddings=64)
     path = str(tmp_path_factory.mktemp("hf_llama"))
     model.save_pretrained(path)
     return path, model
