@@ -76,7 +76,7 @@ class Blocks(nnx.Module):
         w, dt = par.weight, self.dtype
 
         def project(h, weight, bias=None):  # (B, T, D) x (D, H, Dh) + (H, Dh) -> (B, T, H, Dh)
-            y = jnp.einsum("btd,dhk->bthk", h, w(weight, dt))
+            y = par.dot("btd,dhk->bthk", h, weight, dt)
             return y if bias is None else y + w(bias, dt)
 
         h = par.gather_seq(layer_norm(x, w(self.ln1_scale), w(self.ln1_bias), self.eps))  # (B, T, D)
@@ -84,12 +84,12 @@ class Blocks(nnx.Module):
         k = constrain(project(h, self.wk), ("batch", "length", "act_heads", None))
         v = project(h, self.wv, self.bv)
         a = par.attention(q, k, v, batch["segment_ids"], batch["positions"])  # (B, T, H, Dh)
-        out = par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, w(self.wo, dt)))  # row-parallel partial sums
+        out = par.scatter_seq(par.dot("bthk,hkd->btd", a, self.wo, dt))  # row-parallel partial sums
         x = constrain(x + out + w(self.bo, dt), ("batch", "length", "act_embed"))
         h = par.gather_seq(layer_norm(x, w(self.ln2_scale), w(self.ln2_bias), self.eps))  # (B, T, D)
-        f = jnp.einsum("btd,df->btf", h, w(self.w_fc, dt)) + w(self.b_fc, dt)  # (B, T, F)
+        f = par.dot("btd,df->btf", h, self.w_fc, dt) + w(self.b_fc, dt)  # (B, T, F)
         f = constrain(jax.nn.gelu(f, approximate=True), ("batch", "length", "act_mlp"))
-        out = par.scatter_seq(jnp.einsum("btf,fd->btd", f, w(self.w_proj, dt)))
+        out = par.scatter_seq(par.dot("btf,fd->btd", f, self.w_proj, dt))
         return constrain(x + out + w(self.b_proj, dt), ("batch", "length", "act_embed"))
 
 

@@ -20,7 +20,7 @@ import textwrap
 
 import ml_collections
 
-from parallax import defaults, diloco_settings, dpo_settings, lora, model, optim, train_settings
+from parallax import defaults, diloco_settings, dpo_settings, lora, model, optim, quant, train_settings
 from parallax import mesh as mesh_lib
 from parallax.pipeline import settings as pipeline_settings
 from parallax.sharding import DEFAULT_RULES
@@ -56,7 +56,7 @@ def _keys_source(owner) -> str:
 
 # Each section's home: where its keys are declared (`KEYS`) with their meanings; None: `default_config` itself.
 HOMES = {"mesh": mesh_lib, "train": train_settings, "optim": optim, "pipeline": pipeline_settings,
-         "diloco": diloco_settings, "lora": lora, "dpo": dpo_settings, "data": None, "dist": None}
+         "diloco": diloco_settings, "lora": lora, "dpo": dpo_settings, "quant": quant, "data": None, "dist": None}
 
 
 def _rows(section: str, node, meaning) -> list[tuple]:

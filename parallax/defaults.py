@@ -17,7 +17,7 @@ import traceback
 
 import ml_collections
 
-from parallax import diloco_settings, dpo_settings, lora, optim, train_settings
+from parallax import diloco_settings, dpo_settings, lora, optim, quant, train_settings
 from parallax import mesh as mesh_lib
 from parallax.config import RENAMED, apply_override, config_from_json, migrate
 from parallax.errors import ConfigError
@@ -49,6 +49,7 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     c.diloco = ml_collections.ConfigDict(diloco_settings.KEYS)
     c.lora = ml_collections.ConfigDict(lora.KEYS)
     c.dpo = ml_collections.ConfigDict(dpo_settings.KEYS)
+    c.quant = ml_collections.ConfigDict(quant.KEYS)
     c.data = ml_collections.ConfigDict(dict(
         source="synthetic",  # synthetic | text (bytes of files) | tokens (shard directories or one token file) | preference (DPO pairs, a .jsonl)
         path="",  # text: a directory ('': the Python stdlib); tokens: shard directories (comma-separated) or a file

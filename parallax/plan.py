@@ -17,10 +17,11 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from parallax import data as data_lib
-from parallax import diloco_settings, dpo_settings, lora as lora_lib, optim, sharding, train_settings
+from parallax import diloco_settings, dpo_settings, lora as lora_lib, optim, quant as quant_lib, sharding, train_settings
 from parallax import mesh as mesh_lib
 from parallax import model as model_lib
 from parallax.errors import ConfigError
@@ -144,9 +145,15 @@ def _make_plan(config, num_devices, platform):
     dpo = None
     if config.data.source == "preference":
         dpo = dpo_settings.resolve(config.dpo, sizes, pipeline.schedule is not None and pipeline.schedule.steady)
+    quant = quant_lib.resolve(config.quant)
     kernels = dict(attention_block=attention.block, loss_chunk=attention.loss_chunk, platform=platform,
-                   attention_impl=attention.impl)
+                   attention_impl=attention.impl, quant=quant)
     par = Parallelism(**kernels)  # no region: the model's dense code under the compiler's sharding
+    if quant is not None:
+        batch = {k: jax.ShapeDtypeStruct((1, train.seq_len), jnp.float32 if k == "weights" else jnp.int32)
+                 for k in ("inputs", "targets", "weights", "segment_ids", "positions")}
+        quant_lib.check_used(lambda s, b: model_lib.forward(nnx.merge(graphdef, s), b, par=par), m.name,
+                             abstract_state, batch)
     # `expert` is explicit only for a model that declares it; for others it is one more batch axis.
     expert = sizes["expert"] if "expert" in cls.parallel_axes else 1
     if sizes["tensor"] > 1 or sizes["seq"] > 1 or expert > 1 or pipeline.schedule is not None:

@@ -149,6 +149,7 @@ class Parallelism:
     vocab_axes: tuple = ()  # the head's vocabulary split over these axes (pipeline.vocab_parallel: pipe, tensor)
     seq_layout: str = "zigzag"  # all-gather attention's rows over seq: zigzag | balanced (`sequence.balanced_order`)
     ulysses: int = 0  # usp: seq ranks per Ulysses group (the plan resolves model.ulysses_degree; divides seq)
+    quant: object = None  # parallax.quant.QuantSettings: `dot` in 8 bits (config.quant); None: the compute dtype
 
     @property
     def manual(self) -> bool:
@@ -182,6 +183,40 @@ class Parallelism:
         value = var[...]
         names = tuple(var.get_metadata()["logical"])
         return self.unshard(value, names[len(names) - value.ndim:], dtype)
+
+    def dot(self, spec, x, var, dtype=None):
+        """A projection: `einsum(spec, x, weight(var, dtype))`, spec 'x,w->out' in single letters (e.g.
+        'btd,dhk->bthk'), x the activation and `var` the weight parameter. With `quant` (config.quant) the
+        operands are 8-bit (`parallax.quant.dot`: scales taken across the ranks that split a contracting dim,
+        FSDP shards quantized before their gather); x must then be in the compute dtype."""
+        if self.quant is None:
+            return jnp.einsum(spec, x, self.weight(var, dtype))
+        from parallax import quant
+        value = var[...]
+        names = tuple(var.get_metadata()["logical"])
+        return quant.dot(x, value, self.quant, self._quant_layout(spec, names[len(names) - value.ndim:]))
+
+    def _quant_layout(self, spec, names):
+        """Which mesh axes split the contracting and output dims of a weight of logical `names` here, and
+        which of its dims `unshard` would gather (`parallax.quant.Layout`)."""
+        from parallax import quant
+        layout = quant.Layout(spec)
+        if not self.mesh_shape:
+            return layout
+        _, wl, _, contract = layout.letters()
+        gather, k_axes, w_k_axes, n_axes = [], [], [], []
+        for dim, entry in enumerate(self.spec(names)):
+            kept = (*WEIGHT_AXES, EXPERT_AXES.get(names[dim]))
+            axes = spec_axes(entry)
+            if any(a not in kept for a in axes):
+                gather.append((dim, tuple(a for a in axes if a not in kept)))
+            if wl[dim] in contract:
+                w_k_axes += axes
+                k_axes += [a for a in axes if a in kept]
+            else:
+                n_axes += [a for a in axes if a in kept]
+        return dataclasses.replace(layout, k_axes=tuple(k_axes), w_k_axes=tuple(w_k_axes), n_axes=tuple(n_axes),
+                                   gather=tuple(gather))
 
     def gathered(self, module):
         """`module` with each parameter outside `blocks` gathered once (`unshard`), to be used with
