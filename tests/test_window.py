@@ -125,14 +125,15 @@ def test_the_cases_change_the_values():
 
 
 def test_reference_and_blockwise_attention_match_numpy_and_blockwise_gradients():
-    """The reference (values) and the blockwise kernel in 8-token tiles (values and its custom backward)."""
+    """The reference (values) and the blockwise kernel in 8-token tiles (values, and its custom backward with
+    the smallest window, the soft cap, and both)."""
     args = _inputs(32)
     for window, softcap in CASES:
         opts = dict(window=window, softcap=softcap)
         _check(lambda q, k, v, s, p: sequence.attention_reference(q, k, v, s, s, p, p, **opts), args, window, softcap,
                grads=False)
         _check(lambda q, k, v, s, p: flash.blockwise_attention(q, k, v, s, s, p, p, block=8, **opts), args, window,
-               softcap)
+               softcap, grads=window in (0, 4))
 
 
 def test_blockwise_skips_exactly_the_tiles_outside_the_window():
@@ -191,7 +192,8 @@ def _blockwise(*a, **opts):
 @pytest.mark.parametrize("kind", ["ulysses", "ring", "usp", "allgather"])
 def test_sequence_parallel_attention_with_window_and_softcap_matches_numpy_and_gradients(kind):
     """Each kind over the seq axis with window 4 and soft cap 2 (ulysses / all-gather with the blockwise
-    kernel inside, usp as 2 Ulysses x 2 ring): values and gradients. Ring's per-step skipping stays exact."""
+    kernel inside, usp as 2 Ulysses x 2 ring): values; and ring's gradients (its own online softmax, under
+    autodiff; the others' local kernel has its gradients checked above). Ring's skipping stays exact."""
     window, softcap = 4, 2.0
     opts = dict(window=window, softcap=softcap)
     n, order = {"ulysses": (2, (0, 1)), "ring": (2, sequence.zigzag_order(2)), "usp": (4, sequence.usp_order(4, 2)),
@@ -201,7 +203,7 @@ def test_sequence_parallel_attention_with_window_and_softcap_matches_numpy_and_g
         "ring": functools.partial(sequence.ring_attention, **opts),
         "usp": functools.partial(sequence.usp_attention, ulysses=2, attend=_blockwise, **opts),
         "allgather": functools.partial(sequence.allgather_attention, attend=_blockwise, **opts)}[kind]
-    _check(_seq_parallel(attention, n, order), _inputs(32, seed=4), window, softcap)
+    _check(_seq_parallel(attention, n, order), _inputs(32, seed=4), window, softcap, grads=kind == "ring")
 
 
 def test_kv_cache_decode_with_window_and_softcap_matches_numpy():
@@ -265,3 +267,154 @@ def test_the_plan_never_picks_a_kernel_without_the_models_attention_features():
     config.model.update(attention_impl="splash", attention_block=128)
     config.train.seq_len = 128
     assert make_plan(config, 1, "tpu").parallelism.attention_impl == "splash"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mistral: the Llama decoder with a sliding window, against transformers and across meshes
+
+WINDOW = 8  # the tiny Mistral's sliding_window: rows of 40 tokens and 32-token training rows see past it
+
+
+@pytest.fixture(scope="module")
+def mistral_hf(tmp_path_factory):
+    """(HF dir, the transformers model): a tiny random MistralForCausalLM with window 8 and head_dim 16 != d / H."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from test_hf import _randomize
+
+    path = str(tmp_path_factory.mktemp("hf_mistral"))
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=5000.0, max_position_embeddings=64,
+        sliding_window=WINDOW, tie_word_embeddings=False, initializer_range=0.2)
+    model = transformers.MistralForCausalLM(config).float().eval()
+    _randomize(model, 3)
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_mistral_import_matches_transformers_logits_past_the_window(mistral_hf):
+    from test_hf import _hf_logits, _import, _our_logits
+
+    hf_dir, model = mistral_hf
+    trainer, params = _import(hf_dir)
+    assert trainer.plan.model_config.name == "mistral" and trainer.plan.model_config.sliding_window == WINDOW
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 40)).astype(np.int32)
+    ours, ref = _our_logits(trainer, params, tokens), _hf_logits(model, tokens)
+    err = float(np.max(np.abs(ours - ref)))
+    model.config.sliding_window = None  # the window matters on these rows: full attention differs
+    try:
+        full = _hf_logits(model, tokens)
+    finally:
+        model.config.sliding_window = WINDOW
+    print(f"mistral: max abs logits error {err:.2e} (logits std {ref.std():.2f}; without the window the logits "
+          f"move by {np.max(np.abs(full - ref)):.2f})")
+    assert ref.std() > 0.5 and np.max(np.abs(full[:, WINDOW:] - ref[:, WINDOW:])) > 0.1
+    np.testing.assert_array_equal(full[:, :WINDOW], ref[:, :WINDOW])  # the first 8 positions see everything
+    assert err <= TOL
+
+
+def test_mistral_export_roundtrips_bitwise_and_generates_as_transformers_past_the_window(mistral_hf, tmp_path):
+    """Export -> import is bitwise; transformers loads the export as a Mistral with the window, and its greedy
+    generation (its own sliding-window cache) equals parallax's KV-cache decode token for token, 24 new
+    tokens after prompts of 5 and 3 (batched here, one at a time there)."""
+    import json
+
+    import torch
+    import transformers
+
+    from parallax import hf
+    from parallax.generate import generate
+    from test_hf import _import
+
+    hf_dir, _ = mistral_hf
+    trainer, params = _import(hf_dir)
+    out = str(tmp_path / "export")
+    hf.export_params(params, trainer.plan.model_config, out)
+    _, again = _import(out)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(again)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert written["architectures"] == ["MistralForCausalLM"] and written["sliding_window"] == WINDOW
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(exported).__name__ == "MistralForCausalLM"
+
+    prompts, new = [[5, 17, 33, 2, 60], [41, 9, 12]], 24
+    ours = generate(trainer.graphdef, params, prompts, new, 64, temperature=0, par=trainer.plan.parallelism)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            ids = exported.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+        want = ids[0, len(prompt):].numpy()
+        assert len(want) == new, want  # no early stop
+        np.testing.assert_array_equal(got, want)
+
+
+def _mistral(**mesh):
+    """configs/tiny.py as a Mistral with window 8 in 8-token attention tiles (so the blockwise kernel skips
+    tiles): 32-token rows of documents of 9-29 tokens."""
+    from helpers import tiny_config
+
+    attention = mesh.pop("attention", "dense")
+    config = tiny_config(**mesh)
+    config.model.update(name="mistral", sliding_window=WINDOW, attention_block=8, attention=attention)
+    config.train.microbatches = 1
+    config.pipeline.microbatches = 2
+    return config
+
+
+@pytest.fixture(scope="module")
+def mistral_reference():
+    """One device, the [T, T] reference attention (attention_block=0): loss, gradients and 3 steps."""
+    from helpers import loss_grads_and_steps
+
+    config = _mistral()
+    config.model.attention_block = 0
+    return loss_grads_and_steps(config, jax.devices()[:1], steps=3)
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2), dict(tensor=2, seq=2, attention="ring"),
+                                  dict(pipe=2, tensor=2)], ids=["data-fsdp", "tensor-seq-ring", "pipe-tensor"])
+def test_mistral_trains_on_a_mesh_as_on_one_device(mesh, mistral_reference):
+    """Loss, every gradient leaf and 3 steps at 1e-5 against one device: data x fsdp (the compiler's
+    sharding, blockwise tiles), tensor x seq with ring attention (the manual region; the window in ring's
+    block updates), and a 1f1b pipeline with tensor parallelism inside its stages."""
+    from helpers import assert_parity, loss_grads_and_steps
+
+    config = _mistral(**mesh)
+    n = int(np.prod([v for v in mesh.values() if isinstance(v, int)]))
+    assert_parity(loss_grads_and_steps(config, jax.devices()[:n], steps=3), mistral_reference, TOL)
+
+
+def test_mistral_window_changes_the_gradients(mistral_reference):
+    """The reference's window matters: without it the attention weights' gradients differ by far more than the
+    parity tolerance (at initialisation the loss itself hardly moves: the attention is nearly uniform)."""
+    from helpers import rel_err
+    from parallax.trainer import Trainer
+    from parallax.train import make_dataset
+
+    config = _mistral()
+    config.model.update(attention_block=0, sliding_window=0)
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    _, grads = trainer.loss_and_grads(trainer.init_state()["params"],
+                                      trainer.device_batch(make_dataset(config).batch(0)))
+    errs = {name: rel_err(grads["blocks"][name], mistral_reference[1]["blocks"][name]) for name in ("wq", "wk", "wv")}
+    print("without the window, gradient rel errors:", errs)
+    assert min(errs.values()) > 1e-2, errs
+
+
+def test_mistral_in_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path):
+    from helpers import bf16_train_eval_resume
+
+    bf16_train_eval_resume(_mistral(data=2, fsdp=2, tensor=2), tmp_path)
+
+
+def test_a_negative_sliding_window_is_a_config_error():
+    from parallax.errors import ConfigError
+    from parallax.plan import make_plan
+
+    config = _mistral()
+    config.model.sliding_window = -8
+    with pytest.raises(ConfigError, match=r"^config.model.sliding_window=-8: must be >= 0 \(0: full causal attention\)$"):
+        make_plan(config, 1)
