@@ -44,6 +44,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     mlp_chunks: int = 1  # the MLP over this many sequence chunks, each recomputed in the backward (`Blocks.layer`)
+    sliding_window: int = 0  # attention to the latest this many positions of a document (0: all earlier ones)
 
     @property
     def dh(self) -> int:
@@ -145,7 +146,7 @@ class Blocks(nnx.Module):
         v = jnp.einsum("btd,dhk->bthk", h, w(self.wv, dt))  # (B, T, K, Dh)
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None))
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None))
-        a = par.attention(q, k, v, segment_ids, positions)  # (B, T, H, Dh)
+        a = par.attention(q, k, v, segment_ids, positions, window=cfg.sliding_window)  # (B, T, H, Dh)
         x = x + par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, w(self.wo, dt)))
         return constrain(x, ("batch", "length", "act_embed"))
 
@@ -172,7 +173,12 @@ class Llama(Model):
             norm_eps=1e-5,  # RMSNorm epsilon
             init_std=0.02,  # std of the normal initialisation
             mlp_chunks=1,  # the MLP in this many sequence chunks, each recomputed in the backward (less memory)
+            sliding_window=0,  # each query attends its document's latest this many positions (0: every earlier one)
         )
+
+    @staticmethod
+    def attention_features(m) -> frozenset:
+        return frozenset({"window"} if m.sliding_window else ())
 
     @staticmethod
     def check_config(m, sizes, config) -> None:
@@ -191,6 +197,8 @@ class Llama(Model):
         check_attention_split(m, sizes, config.train.seq_len, m.num_heads, m.num_kv_heads,
                               ("num_heads", "num_kv_heads", "vocab_size", "d_ff"))
         check_row_chunks("mlp_chunks", m.mlp_chunks, sizes, config.train.seq_len)
+        if int(m.sliding_window) < 0:
+            raise ConfigError(f"config.model.sliding_window={m.sliding_window}: must be >= 0 (0: full causal attention)")
 
     hf_architectures = ("LlamaForCausalLM",)
 
@@ -254,9 +262,11 @@ class Llama(Model):
 
     @staticmethod
     def flops_per_token(m, seq_len, params, logical) -> float:
-        """6 per parameter but the embedding table (a lookup), plus attention over the causal window."""
+        """6 per parameter but the embedding table (a lookup), plus attention over the causal window (the
+        sliding window, where it is shorter)."""
+        keys = min(seq_len, m.sliding_window or seq_len)
         return param_flops_per_token(params, logical) + attention_flops_per_token(
-            m.num_layers, m.num_heads, m.head_dim or m.d_model // m.num_heads, seq_len)
+            m.num_layers, m.num_heads, m.head_dim or m.d_model // m.num_heads, keys)
 
     def __init__(self, config, rngs: nnx.Rngs):
         cfg = LlamaConfig.from_config(config)

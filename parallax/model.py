@@ -23,6 +23,7 @@ A model is a Flax NNX module that subclasses `Model` and has four parts:
 documents) and `positions` (within each document).
 
 Class-level hooks: `config_defaults()` (the model's own `config.model` keys and defaults),
+`attention_features(model_config)` (the `par.attention` options its layers use, below),
 `check_config(model_config, sizes, config)` (model-specific checks; raise `ConfigError`; a choice that
 depends on the hardware reads `target_platform()`, the platform of the devices compiled for), `parallel_axes`
 (the explicit axes the model implements, of "tensor", "seq" and "expert") and `rules` (defaults for
@@ -43,7 +44,9 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
     par.weight(var, dtype=None)       the parameter as this rank uses it (FSDP shards gathered in `dtype`)
     par.embed(table_param, tokens, dtype)   (vocabulary-parallel) embedding lookup of an nnx.Param table
     par.gather_seq(x), par.scatter_seq(y), par.split_seq(x)   sequence-parallel boundaries over `tensor`
-    par.attention(q, k, v, segment_ids, positions)            dense, Ulysses, ring or all-gather attention
+    par.attention(q, k, v, segment_ids, positions, window=None, softcap=None)
+                                      causal attention within packed documents: dense, Ulysses, ring, usp
+                                      or all-gather over `seq`, with the configured kernel (below)
     par.cross_entropy(logits, batch)  (vocabulary-parallel) weighted cross-entropy sum
     par.chunked(fn, x, batch)         a per-token sum over sequence chunks, each recomputed in the backward
     par.experts(h, idx, gates, ws, names, dispatch)   a MoE layer's routed SwiGLU experts: the library's
@@ -52,6 +55,21 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
     par.tensor, par.seq, par.expert   the axis sizes
 
 `sharding.constrain(x, names)` annotates activations for the compiler (a no-op inside the manual region).
+
+**Attention options.** `par.attention` takes two per-call options, static Python numbers (so a layer may
+choose them, e.g. a model alternating local and global layers; each distinct value compiles its own
+kernel), both "none" at None or 0:
+- `window=W`: a sliding window. A query at position p sees the keys of its document at positions
+  p - W + 1 .. p: the W latest, itself included (transformers' `sliding_window`: `kv_idx > q_idx - W`).
+- `softcap=c`: attention logit soft-capping. The scaled logits s = q.k / sqrt(Dh) become c * tanh(s / c)
+  before the mask and softmax (Gemma 2's `attn_logit_softcapping`). A model whose logits are scaled
+  otherwise (Gemma's `query_pre_attn_scalar`) multiplies q by its scale times sqrt(Dh) first.
+Both are implemented by every attention kind (dense, ulysses, ring, usp, allgather), the reference, the
+blockwise kernel (its custom backward too: the blockwise kernel skips the tiles wholly outside a window),
+splash (its `LocalMask` and `attn_logits_soft_cap`) and the KV-cache decode; the cudnn kernel has the
+window but no soft cap. A model that uses them says so in its class hook `attention_features(model_config)`
+(a set of "window", "softcap"), so that the plan never picks a kernel lacking one for `attention_impl=auto`
+and refuses it with a ConfigError for an explicit `attention_impl`.
 
 Decoding with a KV cache (`parallax.generate`) uses this same surface: it passes the blocks a `par` whose
 `attention` reads and writes the cache, so a layer must attend through `par.attention` (once) and take its
@@ -143,6 +161,12 @@ class Model(nnx.Module):
     def check_config(model_config, sizes: dict[str, int], config) -> None:
         """Raises ConfigError (one line: key, value, fix) if the model cannot run with these mesh sizes
         (on `target_platform()`)."""
+
+    @staticmethod
+    def attention_features(model_config) -> frozenset:
+        """The per-call options this model's layers pass to `par.attention` with this config, of "window"
+        and "softcap" (the module docstring): the plan picks an attention kernel that has them."""
+        return frozenset()
 
     @staticmethod
     def aux_metrics(model_config, aux: dict, weight_total) -> dict:

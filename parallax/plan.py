@@ -141,7 +141,7 @@ def _make_plan(config, num_devices, platform):
     if pipeline.vocab_parallel and "pipe" not in sharding.spec_axes(rules["vocab"]):
         # stored as the executor reads it: the embedding and head split over pipe (x tensor), pipe-major
         rules = {**rules, "vocab": ("pipe", *sharding.spec_axes(rules["vocab"]))}
-    attention = attention_lib.resolve(m, sizes, train.seq_len, platform)
+    attention = attention_lib.resolve(m, sizes, train.seq_len, platform, cls.attention_features(model_config))
     dpo = None
     if config.data.source == "preference":
         dpo = dpo_settings.resolve(config.dpo, sizes, pipeline.schedule is not None and pipeline.schedule.steady)

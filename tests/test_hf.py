@@ -213,11 +213,11 @@ def test_bad_checkpoints_are_config_errors_naming_the_value(checkpoints, tmp_pat
     hf_dir, _ = checkpoints["llama"]
     with pytest.raises(ConfigError, match="--hf_dir=.*no such directory"):
         hf.Checkpoint(str(tmp_path / "missing"))
-    bad = tmp_path / "mistral"
+    bad = tmp_path / "unknown"
     shutil.copytree(hf_dir, bad)
     config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
-    with pytest.raises(ConfigError, match="architecture 'MistralForCausalLM' is not supported"):
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(ConfigError, match="architecture 'NoSuchModelForCausalLM' is not supported"):
         hf.Checkpoint(str(bad))
     (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     ckpt = hf.Checkpoint(str(bad))

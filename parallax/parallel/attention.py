@@ -17,6 +17,10 @@ from parallax.parallel.sequence import usp_degree
 KINDS = ("dense", "ulysses", "ring", "usp", "allgather")
 IMPLS = ("auto", "blockwise", "splash", "cudnn")
 SEQ_LAYOUTS = ("zigzag", "balanced")
+# The per-call options of `par.attention` a model may use (its `attention_features`), and the kernels that lack
+# one: every attention kind and the blockwise, splash and reference kernels have both.
+FEATURES = ("window", "softcap")
+LACKING = {"cudnn": {"softcap": "jax.nn.dot_product_attention has no attention logit soft-capping"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +68,16 @@ def check(m, sizes: dict, seq_len: int) -> None:
                           f"2*seq={2 * sp} (zigzag layout): use a seq_len that is a multiple of {2 * sp}")
 
 
-def resolve(m, sizes: dict, seq_len: int, platform: str) -> AttentionSettings:
+def resolve(m, sizes: dict, seq_len: int, platform: str, features=frozenset()) -> AttentionSettings:
     """The attention settings of model section `m` (`check`ed) with the kernel chosen for `platform` and
-    usp's Ulysses degree; raises ConfigError for a kernel that cannot run there."""
-    return AttentionSettings(kind=str(m.attention), impl=_impl(m, sizes, seq_len, platform),
+    usp's Ulysses degree; raises ConfigError for a kernel that cannot run there. `features`: the per-call
+    options the model's layers pass to `par.attention` (of `FEATURES`; the model class's
+    `attention_features`): auto never picks a kernel lacking one, and an explicit one is refused."""
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ConfigError(f"config.model.name={m.name!r}: its class's attention_features name {sorted(unknown)}; "
+                          f"the options of par.attention are {', '.join(FEATURES)}")
+    return AttentionSettings(kind=str(m.attention), impl=_impl(m, sizes, seq_len, platform, frozenset(features)),
                              block=int(m.attention_block), loss_chunk=int(m.loss_chunk),
                              seq_layout=str(m.seq_layout), ulysses=_ulysses_degree(m, sizes))
 
@@ -88,13 +98,17 @@ def _ulysses_degree(m, sizes) -> int:
     return usp_degree(sp, int(heads) // tp, int(kv) // tp)
 
 
-def _impl(m, sizes, seq_len, platform) -> str:
+def _impl(m, sizes, seq_len, platform, features=frozenset()) -> str:
     """`model.attention_impl` resolved for the target: auto is splash on TPU and cuDNN on GPU (in bf16) where
-    their layout and tiling allow it, else blockwise (the reference with attention_block=0). An explicit
-    kernel where it cannot run is an error."""
+    their layout and tiling allow it and they have the model's `features`, else blockwise (the reference with
+    attention_block=0). An explicit kernel where it cannot run is an error."""
     impl = m.attention_impl
     if impl not in IMPLS:
         raise ConfigError(f"config.model.attention_impl={impl!r}: expected one of {', '.join(IMPLS)}")
+    for feature, why in LACKING.get(impl, {}).items():
+        if feature in features:
+            raise ConfigError(f"config.model.attention_impl={impl!r}: {why}, and model {m.name!r} attends with a "
+                              f"{feature} (its attention_features); use attention_impl=blockwise or auto")
     layout_ok = sizes["seq"] == 1 or m.attention == "ulysses"  # each rank attends over one contiguous layout
     layout_why = (f"attention={m.attention!r} over mesh.seq={sizes['seq']} gives each rank zigzag chunks (use "
                   "dense or ulysses)")
@@ -120,5 +134,6 @@ def _impl(m, sizes, seq_len, platform) -> str:
     if impl == "auto":
         if platform == "tpu" and layout_ok and tiles_ok:
             return "splash"
-        return "cudnn" if platform == "gpu" and layout_ok and half else "blockwise"
+        cudnn_ok = not any(f in features for f in LACKING["cudnn"])
+        return "cudnn" if platform == "gpu" and layout_ok and half and cudnn_ok else "blockwise"
     return impl

@@ -280,50 +280,57 @@ class Parallelism:
         table = constrain(table, ("vocab", None))  # gather FSDP shards of the table before the lookup
         return constrain(jnp.take(table, tokens, axis=0).astype(dtype), ("batch", "length", "act_embed"))
 
-    def attention(self, q, k, v, segment_ids, positions):
+    def attention(self, q, k, v, segment_ids, positions, *, window=None, softcap=None):
         """Causal attention within packed documents on this rank's heads: dense when seq == 1, else Ulysses,
         ring, usp (Ulysses x ring) or all-gather over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) ->
-        [B, T/s, H/t, Dh]."""
+        [B, T/s, H/t, Dh]. Per-call static options (`sequence.attention_options`): `window` W > 0, a sliding
+        window (a query at position p sees its document's keys at p - W + 1 .. p); `softcap` c > 0, the
+        scaled logits capped to c * tanh(s / c) before the mask and softmax. Every kind and kernel has them
+        but cudnn the soft cap (the plan refuses it, from the model's `attention_options`)."""
+        opts = dict(zip(("window", "softcap"), sequence.attention_options(window, softcap)))
         if self.seq == 1:
-            return self._attend(q, k, v, segment_ids, segment_ids, positions, positions)
+            return self._attend(q, k, v, segment_ids, segment_ids, positions, positions, **opts)
         if self.attention_kind == "ulysses":
-            return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend)
+            return sequence.ulysses_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend,
+                                              **opts)
         grouped = dict(self.mesh_shape).get("pipe", 1) > 1  # ring inside pipeline stages: `grouped_shift`
         shifts = "; k|v shifted by all-to-alls within each stage's seq ranks)" if grouped else ")"
         if self.attention_kind == "ring":
             log_once("attention kernel: ring (online softmax per zigzag chunk pair, rematerialised" + shifts)
-            return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq", grouped=grouped)
+            return sequence.ring_attention(q, k, v, segment_ids, positions, axis_name="seq", grouped=grouped, **opts)
         if self.attention_kind == "usp":
             u = self.ulysses or self.seq
             log_once(f"attention kernel: usp (Ulysses over groups of {u} seq ranks x ring over {self.seq // u} "
                      "groups; online softmax per zigzag chunk pair" + shifts)
             return sequence.usp_attention(q, k, v, segment_ids, positions, axis_name="seq", ulysses=u,
-                                          grouped=grouped, attend=self._attend)
+                                          grouped=grouped, attend=self._attend, **opts)
         if self.attention_kind == "allgather":
             return sequence.allgather_attention(q, k, v, segment_ids, positions, axis_name="seq", attend=self._attend,
-                                                platform=self.platform, zigzag=not self.balanced)
+                                                platform=self.platform, zigzag=not self.balanced, **opts)
         raise ValueError(f"attention={self.attention_kind!r} cannot run on seq={self.seq}: use 'ulysses', 'ring', "
                          f"'usp' or 'allgather'")
 
-    def _attend(self, q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+    def _attend(self, q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, *, window=0, softcap=0.0):
         """Full-sequence attention on local heads: splash (`attention_impl`), blockwise (`attention_block` > 0)
-        or the reference."""
+        or the reference; `window` / `softcap` as `attention` takes them."""
+        opts = dict(window=window, softcap=softcap)
         if self.attention_impl == "splash":
             mode = "Mosaic kernel" if (self.platform or jax.default_backend()) == "tpu" else "Pallas interpret mode"
             log_once(f"attention kernel: splash ({mode}, {min(self.attention_block or 512, q.shape[1])}-token "
                       f"tiles; parallax.parallel.splash)")
-            fn = functools.partial(splash.splash_attention, platform=self.platform, block=self.attention_block)
+            fn = functools.partial(splash.splash_attention, platform=self.platform, block=self.attention_block, **opts)
             return _per_batch_rows(fn, q, k, v, q_segment_ids, kv_segment_ids)
         if self.attention_impl == "cudnn":
             where = "cuDNN" if (self.platform or jax.default_backend()) == "gpu" else "jax.nn's XLA implementation"
             log_once(f"attention kernel: cudnn (jax.nn.dot_product_attention, {where}; parallax.parallel.cudnn)")
-            return cudnn.cudnn_attention(q, k, v, q_segment_ids, kv_segment_ids, platform=self.platform)
+            return cudnn.cudnn_attention(q, k, v, q_segment_ids, kv_segment_ids, platform=self.platform, **opts)
         if self.attention_block:
             log_once(f"attention kernel: blockwise, {self.attention_block}-token tiles (parallax.parallel.flash)")
             return flash.blockwise_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                                             block=self.attention_block)
+                                             block=self.attention_block, **opts)
         log_once("attention kernel: reference ([T, T] logits; model.attention_block=0)")
-        return sequence.attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+        return sequence.attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                                            **opts)
 
     def chunked(self, fn, x, batch):
         """sum over sequence chunks of `fn(x_chunk, batch_chunk)`, each chunk rematerialised in the backward.

@@ -6,9 +6,11 @@ their inputs are the rank's local sequence shard. All give the same numbers as `
 softmax statistics, also for bf16 inputs) on packed documents.
 
 Mask (shared by all): a query attends a key iff they have the same segment id and
-`kv_position <= q_position`. Causality by positions instead of sequence index makes the mask invariant to
-any permutation of the sequence, so the load-balancing (zigzag) layout of ring and all-gather attention
-needs no mask changes.
+`kv_position <= q_position`, and, with a sliding window W, `q_position - kv_position < W`. Causality and
+the window by positions instead of sequence index make the mask invariant to any permutation of the
+sequence, so the load-balancing (zigzag) layout of ring and all-gather attention needs no mask changes.
+Every function here takes the per-call options `window` and `softcap` (`attention_options`) and passes
+those given to its local kernel (`attend(..., window=, softcap=)`).
 
 Communication per call, forward, per device (s = seq axis size, b = bytes per element, T = full sequence,
 K' = kv heads after Ulysses' GQA repeat, max(K, s)):
@@ -94,26 +96,57 @@ def usp_degree(seq_size: int, num_heads: int, num_kv_heads: int) -> int:
     return 1
 
 
-def _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions):
-    """[B, Tq], [B, Tk] ids and positions -> bool [B, Tq, Tk]."""
+def attention_options(window=None, softcap=None) -> tuple[int, float]:
+    """`par.attention`'s per-call options, checked and normalised: (window, softcap) with 0 for "none".
+
+    `window` W > 0: a query at position p sees the keys of its document at positions p - W + 1 .. p (the
+    W latest, itself included: transformers' `sliding_window` for Mistral, `kv_idx > q_idx - W`);
+    None / 0: every earlier key of its document. `softcap` c > 0: the scaled logits s become c * tanh(s / c)
+    before the mask and softmax (Gemma 2's attention logit soft-capping); None / 0: none. Both are static
+    (Python numbers, one compiled kernel per value); a negative value is a ValueError."""
+    window, softcap = int(window or 0), float(softcap or 0.0)
+    if window < 0 or softcap < 0:
+        raise ValueError(f"attention window={window}, softcap={softcap}: must be >= 0 (0: none)")
+    return window, softcap
+
+
+def _set_options(window, softcap) -> dict:
+    """The options given (non-zero), as keyword arguments for a local kernel `attend`: one written without
+    them still serves plain causal attention."""
+    window, softcap = attention_options(window, softcap)
+    return {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
+
+
+def _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, window: int = 0):
+    """[B, Tq], [B, Tk] ids and positions -> bool [B, Tq, Tk]: same document, causal, and within `window`
+    positions of the query (0: no window)."""
     same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # (B, Tq, Tk)
     causal = kv_positions[:, None, :] <= q_positions[:, :, None]  # (B, Tq, Tk)
+    if window:  # k > q - W, written so that no int32 difference can overflow
+        causal &= kv_positions[:, None, :] > q_positions[:, :, None] - window
     return same_doc & causal
 
 
-def attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+def soft_cap(logits, softcap: float):
+    """softcap * tanh(logits / softcap), or the logits as they are for softcap 0."""
+    return softcap * jnp.tanh(logits / softcap) if softcap else logits
+
+
+def attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, *, window=None,
+                        softcap=None):
     """Dense masked grouped-query softmax attention on one device.
 
     q: [B, Tq, H, Dh]; k, v: [B, Tk, K, Dh] with H % K == 0 (query head h uses kv head h // (H // K));
     segment ids / positions: [B, Tq] and [B, Tk] int32. Returns [B, Tq, H, Dh] in q's dtype; logits and
-    softmax are fp32.
+    softmax are fp32. `window`, `softcap`: `attention_options`.
     """
+    window, softcap = attention_options(window, softcap)
     b, tq, h, dh = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, tq, kh, h // kh, dh)  # (B, Tq, K, G, Dh)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k,
-                        preferred_element_type=jnp.float32) / math.sqrt(dh)  # (B, K, G, Tq, Tk)
-    mask = _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions)  # (B, Tq, Tk)
+    logits = soft_cap(jnp.einsum("bqkgd,bskd->bkgqs", qg, k,
+                                 preferred_element_type=jnp.float32) / math.sqrt(dh), softcap)  # (B, K, G, Tq, Tk)
+    mask = _mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, window)  # (B, Tq, Tk)
     logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)  # (B, K, G, Tq, Tk) fp32
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v,
@@ -126,7 +159,7 @@ def attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_
 
 
 def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference,
-                      degree: int = 0):
+                      degree: int = 0, window=None, softcap=None):
     """All-to-all sequence <-> heads, full-sequence attention on H/s local heads, all-to-all back.
 
     Local shards: q [B, T/s, H, Dh]; k, v [B, T/s, K, Dh]; segment_ids, positions [B, T/s] (shards in
@@ -167,7 +200,7 @@ def ulysses_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq"
         copies = jnp.broadcast_to(seg_pos[None], (s, *seg_pos.shape))  # (s, B, T/s, 2)
         seg_pos = jax.lax.all_to_all(copies, axis_name, 0, 2, tiled=True, axis_index_groups=groups)[0]  # (B, T, 2)
     seg, pos = seg_pos[..., 0], seg_pos[..., 1]  # (B, T) each
-    out = attend(q_h, k_h, v_h, seg, seg, pos, pos)  # (B, T, H/s, Dh)
+    out = attend(q_h, k_h, v_h, seg, seg, pos, pos, **_set_options(window, softcap))  # (B, T, H/s, Dh)
     return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True,
                               axis_index_groups=groups)  # (B, T/s, H, Dh)
 
@@ -266,17 +299,17 @@ def ring_unlayout(x, s: int, axis: int = 1):
     return pieces_unlayout(x, zigzag_order(s), axis)
 
 
-def _online_update(state, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+def _online_update(state, q, k, v, q_seg, kv_seg, q_pos, kv_pos, window=0, softcap=0.0):
     """Adds one K/V block to the running softmax of a query block.
 
     state = (m [B, K, G, Tq] running max, l [B, K, G, Tq] running sum, o [B, Tq, K, G, Dh] running
     numerator), all fp32; q [B, Tq, K, G, Dh]; k, v [B, Tk, K, Dh]. The result o / l does not depend on
-    m, so m carries no gradient.
+    m, so m carries no gradient. `window`, `softcap`: static (`attention_options`).
     """
     m, l, o = state
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k,
-                        preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])  # (B,K,G,Tq,Tk)
-    mask = _mask(q_seg, kv_seg, q_pos, kv_pos)[:, None, None]  # (B, 1, 1, Tq, Tk)
+    logits = soft_cap(jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+                      / math.sqrt(q.shape[-1]), softcap)  # (B,K,G,Tq,Tk)
+    mask = _mask(q_seg, kv_seg, q_pos, kv_pos, window)[:, None, None]  # (B, 1, 1, Tq, Tk)
     logits = jnp.where(mask, logits, MASK_VALUE)
     m_new = jax.lax.stop_gradient(jnp.maximum(m, logits.max(axis=-1)))  # (B, K, G, Tq)
     # Zero the masked pairs explicitly: in a row with no unmasked key yet, m_new == MASK_VALUE and
@@ -292,7 +325,7 @@ def _online_update(state, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
 # Recompute each block's logits in the backward pass instead of storing them: autodiff then keeps only
 # the block inputs and running state per ring step (linear in T), not s blocks of probabilities.
-_online_update_remat = jax.checkpoint(_online_update)
+_online_update_remat = jax.checkpoint(_online_update, static_argnums=(8, 9))
 
 
 def _take(state, sl):
@@ -330,7 +363,7 @@ def grouped_shift(x, axis_name: str = "seq", stride: int = 1):
 
 
 def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", grouped: bool = False,
-                   stride: int = 1):
+                   stride: int = 1, window=None, softcap=None):
     """Causal ring attention with zigzag load balancing and exact online softmax.
 
     Local shards in `ring_layout` order: q [B, 2c, H, Dh]; k, v [B, 2c, K, Dh]; segment_ids, positions
@@ -356,7 +389,11 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
 
     `stride` > 1 (usp's ring part): s = n / stride rings run side by side, each over the ranks equal mod
     `stride` (rank i is place i // stride of its ring), and what is said above of s and i holds per ring.
+
+    `window` / `softcap` (`attention_options`): in every block update's mask and logits. The skipping
+    above stays exact (a window only masks more); every query still sees itself, so no row is empty.
     """
+    opts = attention_options(window, softcap)
     n = jax.lax.axis_size(axis_name)
     s = n // stride
     b, tl, h, dh = q.shape
@@ -376,10 +413,10 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
 
     # Diagonal step: (early, early) and (late, early) in one update, then (late, late).
     state = _online_update_remat(state, qg, k[:, early], v[:, early], segment_ids, segment_ids[:, early],
-                                 positions, positions[:, early])
+                                 positions, positions[:, early], *opts)
     state = _put(state, late, _online_update_remat(
         _take(state, late), qg[:, late], k[:, late], v[:, late], segment_ids[:, late],
-        segment_ids[:, late], positions[:, late], positions[:, late]))
+        segment_ids[:, late], positions[:, late], positions[:, late], *opts))
 
     kv = jnp.stack([k, v])  # (2, B, 2c, K, Dh)
     kv_ids = jnp.stack([segment_ids, positions])  # (2, B, 2c)
@@ -394,13 +431,13 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
         def from_lower(state, kv=kv, kv_ids=kv_ids):
             # Source rank < i: both local chunks see the source's early chunk only.
             return _online_update_remat(state, qg, kv[0][:, early], kv[1][:, early], segment_ids,
-                                        kv_ids[0][:, early], positions, kv_ids[1][:, early])
+                                        kv_ids[0][:, early], positions, kv_ids[1][:, early], *opts)
 
         def from_higher(state, kv=kv, kv_ids=kv_ids):
             # Source rank > i: only the local late chunk sees anything, of both source chunks.
             return _put(state, late, _online_update_remat(
                 _take(state, late), qg[:, late], kv[0], kv[1], segment_ids[:, late], kv_ids[0],
-                positions[:, late], kv_ids[1]))
+                positions[:, late], kv_ids[1], *opts))
 
         state = jax.lax.cond(j <= rank, from_lower, from_higher, state)
 
@@ -414,7 +451,7 @@ def ring_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", g
 
 
 def usp_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", ulysses: int,
-                  grouped: bool = False, attend=attention_reference):
+                  grouped: bool = False, attend=attention_reference, window=None, softcap=None):
     """Unified sequence parallelism: Ulysses within groups of `ulysses` = u consecutive ranks, ring across
     the r = s/u groups (rank i = g*u + j: Ulysses group g, ring j).
 
@@ -426,14 +463,17 @@ def usp_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", ul
     need only divide by u, and the ring pays r-1 steps instead of s-1; u = s is Ulysses (`attend` the local
     kernel), u = 1 ring. `grouped`: the ring's shifts as all-to-alls (inside pipeline stages)."""
     s = jax.lax.axis_size(axis_name)
+    opts = _set_options(window, softcap)
     if ulysses == 1:
-        return ring_attention(q, k, v, segment_ids, positions, axis_name=axis_name, grouped=grouped)
+        return ring_attention(q, k, v, segment_ids, positions, axis_name=axis_name, grouped=grouped, **opts)
     if ulysses == s:
-        return ulysses_attention(q, k, v, segment_ids, positions, axis_name=axis_name, attend=attend)
+        return ulysses_attention(q, k, v, segment_ids, positions, axis_name=axis_name, attend=attend, **opts)
 
-    def ring(q, k, v, segment_ids, _kv_segment_ids, positions, _kv_positions):
-        return ring_attention(q, k, v, segment_ids, positions, axis_name=axis_name, grouped=grouped, stride=ulysses)
-    return ulysses_attention(q, k, v, segment_ids, positions, axis_name=axis_name, attend=ring, degree=ulysses)
+    def ring(q, k, v, segment_ids, _kv_segment_ids, positions, _kv_positions, **opts):
+        return ring_attention(q, k, v, segment_ids, positions, axis_name=axis_name, grouped=grouped, stride=ulysses,
+                              **opts)
+    return ulysses_attention(q, k, v, segment_ids, positions, axis_name=axis_name, attend=ring, degree=ulysses,
+                             **opts)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -441,7 +481,7 @@ def usp_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", ul
 
 
 def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "seq", attend=attention_reference,
-                        platform: str | None = None, zigzag: bool = True):
+                        platform: str | None = None, zigzag: bool = True, window=None, softcap=None):
     """Local queries attend the whole sequence's keys: one all-gather of k|v over `axis_name` per call.
 
     Local shards in `ring_layout` order (rank i holds zigzag chunks i and 2s-1-i, so every rank has the
@@ -469,4 +509,5 @@ def allgather_attention(q, k, v, segment_ids, positions, *, axis_name: str = "se
     if zigzag:
         kv = ring_unlayout(kv, s, axis=2)  # (2, B, T, K, Dh) in sequence order
         seg_pos = ring_unlayout(seg_pos, s, axis=1)  # (B, T, 2)
-    return attend(q, kv[0], kv[1], segment_ids, seg_pos[..., 0], positions, seg_pos[..., 1])  # (B, T/s, H, Dh)
+    return attend(q, kv[0], kv[1], segment_ids, seg_pos[..., 0], positions, seg_pos[..., 1],
+                  **_set_options(window, softcap))  # (B, T/s, H, Dh)
