@@ -46,6 +46,10 @@ Generating (`par.decoding`), every token is routed, dropless, whatever `moe.disp
 row's drops depend on the tokens sharing its group (a prompt's padding, the window a sampler recomputes),
 so a prompt's continuation would depend on the batch and the decoding algorithm. Capacity is a training
 device; an inference without drops is the limit it approximates (MaxText also decodes dropless).
+
+HF architectures (`HFMoE`, below; `models/mixtral.py`, `models/qwen3_moe.py`): this model with the routing
+keys an architecture fixes, without the router bias, dropless by default, and the architecture's mapping
+(docs/moe.md, "Importing Mixtral and Qwen3-MoE").
 """
 
 from __future__ import annotations
@@ -332,10 +336,10 @@ class HFMoE(MoE):
     @staticmethod
     def hf_common_config(m) -> dict:
         """Llama's config.json entries of `m` (attention, RoPE, norms, vocabulary), without the dense MLP's."""
-        hf = llama.Llama.hf_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": m.moe.d_ff_expert}))
+        out = llama.Llama.hf_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": m.moe.d_ff_expert}))
         for key in ("architectures", "model_type", "intermediate_size", "mlp_bias"):
-            del hf[key]
-        return hf
+            del out[key]
+        return out
 
     @classmethod
     def hf_sources(cls, m, tensor_names=None):

@@ -250,3 +250,16 @@ def test_routing_the_architecture_fixes_and_checkpoint_keys_cannot_be_overridden
             Trainer(bad, devices=jax.devices()[:1])
         assert "\n" not in str(info.value)
     assert Trainer(config, devices=jax.devices()[:1]).plan.model_config.moe.router == "softmax"
+
+
+@pytest.mark.parametrize("path,devices,params", [
+    ("configs/mixtral_8x7b.py", 64, 46_702_792_704),  # transformers: MixtralForCausalLM(MixtralConfig()) on "meta"
+    ("configs/qwen3_30b_a3b.py", 32, 30_532_122_624),  # the same of Qwen3-30B-A3B's config.json values
+])
+def test_real_size_configs_have_the_checkpoints_parameter_counts(path, devices, params):
+    from helpers import ROOT
+    from parallax.defaults import load_config_file
+    from parallax.plan import make_plan
+
+    plan = make_plan(load_config_file(os.path.join(ROOT, path)), devices)
+    assert Trainer(plan, mesh=plan.abstract_mesh()).num_params == params
