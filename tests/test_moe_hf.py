@@ -156,6 +156,8 @@ def test_export_is_the_hub_layout_bitwise_loads_in_transformers_and_generates_th
     eos = loaded.generation_config.eos_token_id
     ours = generate(trainer.graphdef, params, prompts, new, 32, temperature=0.0, eos_id=eos, cache=True,
                     par=trainer.plan.parallelism)
+    print(f"{kind}: greedy tokens {[g.tolist() for g in ours]} (eos {eos})")
+    assert sum(len(g) for g in ours) >= new  # not a trivial stop at eos
     for prompt, got in zip(prompts, ours):
         with torch.no_grad():
             ref = loaded.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
