@@ -231,7 +231,8 @@ def test_imported_mixtral_bf16_trains_evaluates_checkpoints_and_resumes(checkpoi
     ("qwen3_moe", dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\] is not supported"),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window=True is not supported"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True is not supported"),
-])
+], ids=["mixtral-sliding_window", "mixtral-router_jitter_noise", "mixtral-rope_type", "qwen3_moe-decoder_sparse_step",
+        "qwen3_moe-mlp_only_layers", "qwen3_moe-use_sliding_window", "qwen3_moe-attention_bias"])
 def test_unsupported_hf_options_are_one_line_config_errors(checkpoints, kind, change, match):
     config = json.loads(open(os.path.join(checkpoints[kind][0], "config.json")).read())
     with pytest.raises(ConfigError, match=match) as info:
