@@ -8,8 +8,12 @@ Why 64 devices: parameters + AdamW state are 46.7e9 x 12 bytes = 522 GiB, plus 1
 each expert weight is split over expert x fsdp (64 ways) and the rest over fsdp (8 ways). Measured with
 `python launch/plan.py --config=configs/mixtral_8x7b.py` (64 simulated CPU devices, XLA:CPU's memory
 analysis): state 10.1 GiB a device, peak 25.9 GiB with temporaries (full remat, 1 sequence per device per
-microbatch): fits 80 GB. Routing: softmax top-2 with renormalised gates (Mixtral), capacity factor 1.25
-per sequence row (choice-major dropping), the Switch balance loss (0.01) and the router z-loss (0.001).
+microbatch): fits 80 GB. Routing: HF Mixtral's (`model.name=mixtral`, models/mixtral.py: softmax over the 8
+experts, top-2, the two gates renormalised), with a capacity factor of 1.25 per sequence row for training
+(choice-major dropping; transformers drops nothing: `--config.model.moe.capacity_factor=0` or
+`dispatch=ragged` for that), the Switch balance loss (0.01) and the router z-loss (0.001). The shapes are
+Mixtral-8x7B-v0.1's (46,702,792,704 parameters, transformers' count); `launch/hf_import.py` reads its
+checkpoint into this model and `launch/hf_export.py` writes a run back as `MixtralForCausalLM`.
 tests/test_config.py shape-checks it for 64 devices.
 """
 
@@ -17,7 +21,7 @@ from parallax.defaults import default_config
 
 
 def get_config():
-    config = default_config(model="moe")
+    config = default_config(model="mixtral")
     config.mesh.update(data=1, fsdp=8, expert=8, tensor=1)
     config.model.update(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, vocab_size=32000,
                         dtype="bfloat16", rope_theta=1e6, remat="full", attention_block=512, loss_chunk=1024)

@@ -45,6 +45,7 @@ class LlamaConfig:
     init_std: float = 0.02
     mlp_chunks: int = 1  # the MLP over this many sequence chunks, each recomputed in the backward (`Blocks.layer`)
     sliding_window: int = 0  # attention to the latest this many positions of a document (0: all earlier ones)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3), scales `q_norm` / `k_norm` [L, Dh]
 
     @property
     def dh(self) -> int:
@@ -101,6 +102,9 @@ class Blocks(nnx.Module):
         self.wk = _param(rngs, (L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs, (L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), std)
         self.wo = _param(rngs, (L, H, Dh, D), ("layers", "heads", "head_dim", "embed"), out_std)
+        if cfg.qk_norm:
+            self.q_norm = nnx.Param(jnp.ones((L, Dh)), logical=("layers", "head_dim"))
+            self.k_norm = nnx.Param(jnp.ones((L, Dh)), logical=("layers", "head_dim"))
         self.mlp_norm = nnx.Param(jnp.ones((L, D)), logical=("layers", "norm"))
         self.w_gate = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), std)
         self.w_up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), std)
@@ -144,6 +148,8 @@ class Blocks(nnx.Module):
         q = jnp.einsum("btd,dhk->bthk", h, w(self.wq, dt))  # (B, T, H, Dh)
         k = jnp.einsum("btd,dhk->bthk", h, w(self.wk, dt))  # (B, T, K, Dh)
         v = jnp.einsum("btd,dhk->bthk", h, w(self.wv, dt))  # (B, T, K, Dh)
+        if cfg.qk_norm:  # per head, over head_dim, before RoPE
+            q, k = rms_norm(q, w(self.q_norm), cfg.norm_eps), rms_norm(k, w(self.k_norm), cfg.norm_eps)
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None))
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None))
         a = par.attention(q, k, v, segment_ids, positions, window=cfg.sliding_window)  # (B, T, H, Dh)
@@ -174,6 +180,7 @@ class Llama(Model):
             init_std=0.02,  # std of the normal initialisation
             mlp_chunks=1,  # the MLP in this many sequence chunks, each recomputed in the backward (less memory)
             sliding_window=0,  # each query attends its document's latest this many positions (0: every earlier one)
+            qk_norm=False,  # RMSNorm over head_dim on q and k before RoPE (Qwen3), with scales q_norm / k_norm
         )
 
     @staticmethod

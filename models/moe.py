@@ -46,6 +46,10 @@ Generating (`par.decoding`), every token is routed, dropless, whatever `moe.disp
 row's drops depend on the tokens sharing its group (a prompt's padding, the window a sampler recomputes),
 so a prompt's continuation would depend on the batch and the decoding algorithm. Capacity is a training
 device; an inference without drops is the limit it approximates (MaxText also decodes dropless).
+
+HF architectures (`HFMoE`, below; `models/mixtral.py`, `models/qwen3_moe.py`): this model with the routing
+keys an architecture fixes, without the router bias, dropless by default, and the architecture's mapping
+(docs/moe.md, "Importing Mixtral and Qwen3-MoE").
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from flax import nnx
 
 from models import llama
 from parallax.errors import ConfigError
+from parallax import hf_mapping as hf
 from parallax import model as model_lib
 from parallax.model import DENSE, Model, Parallelism, apply_blocks, attention_flops_per_token, param_flops_per_token
 from parallax.parallel import moe as moe_lib
@@ -122,7 +127,7 @@ class MoEBlocks(llama.Blocks):
     """Llama's stacked attention (and, with shared experts, its MLP as the shared experts) plus the router
     and the stacked routed experts [layers, experts, ...]."""
 
-    def __init__(self, cfg: llama.LlamaConfig, moe: MoESettings, rngs: nnx.Rngs):
+    def __init__(self, cfg: llama.LlamaConfig, moe: MoESettings, rngs: nnx.Rngs, router_bias: bool = True):
         super().__init__(cfg, rngs)
         L, D, E, F = cfg.num_layers, cfg.d_model, moe.num_experts, moe.d_ff_expert
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * L)
@@ -131,7 +136,8 @@ class MoEBlocks(llama.Blocks):
         if not moe.shared_experts:  # Llama's dense MLP is the shared experts; none here
             del self.w_gate, self.w_up, self.w_down
         self.w_router = llama._param(rngs, (L, D, E), ("layers", "embed", "router"), std)
-        self.router_bias = nnx.Param(jnp.zeros((L, E)), logical=("layers", "router"))  # only after_step moves it
+        if router_bias:
+            self.router_bias = nnx.Param(jnp.zeros((L, E)), logical=("layers", "router"))  # only after_step moves it
         self.we_gate = llama._param(rngs, (L, E, D, F), ("layers", "experts", "embed", "mlp"), std)
         self.we_up = llama._param(rngs, (L, E, D, F), ("layers", "experts", "embed", "mlp"), std)
         self.we_down = llama._param(rngs, (L, E, F, D), ("layers", "experts", "mlp", "embed"), out_std)
@@ -161,7 +167,7 @@ class MoEBlocks(llama.Blocks):
         else:
             scores = jax.nn.sigmoid(logits)
             probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-        bias = jax.lax.stop_gradient(par.weight(self.router_bias))  # choosing only, never the gates
+        bias = jax.lax.stop_gradient(par.weight(self.router_bias)) if hasattr(self, "router_bias") else 0.0
         _, idx = jax.lax.top_k(scores + bias, moe.top_k)  # (B, T, k)
         gates = jnp.take_along_axis(scores, idx, axis=-1)
         if moe.norm_topk:
@@ -201,6 +207,7 @@ class MoE(Model):
 
     parallel_axes = ("tensor", "seq", "expert")
     rules = {"router": None}  # the router's expert dim: every rank scores every expert
+    router_bias = True  # the choosing bias of aux-loss-free balancing (a subclass without it: `HFMoE`)
 
     @staticmethod
     def config_defaults() -> dict:
@@ -242,7 +249,7 @@ class MoE(Model):
         if moe.first_dense:
             dense = dataclasses.replace(cfg, num_layers=moe.first_dense, d_ff=moe.dense_d_ff)
             self.dense_blocks = llama.Blocks(dense, rngs)
-        self.blocks = MoEBlocks(cfg, moe, rngs)
+        self.blocks = MoEBlocks(cfg, moe, rngs, router_bias=self.router_bias)
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)), logical=("norm",))
         self.head = llama._param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
@@ -287,3 +294,71 @@ class MoE(Model):
         step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
         blocks["router_bias"] = params["blocks"]["router_bias"] + step
         return {**params, "blocks": blocks}
+
+
+class HFMoE(MoE):
+    """The MoE model as an HF architecture computes it (the base of `models/mixtral.py`,
+    `models/qwen3_moe.py`): the routing keys the architecture fixes (`FIXED`, checked), no router bias (HF
+    has none; `moe.bias_rate` must stay 0), and dropless by default (`capacity_factor=0`: C = T slots, what
+    transformers computes; `dispatch=ragged` is dropless too, on one expert rank or on GPU / TPU). The HF
+    mapping is Llama's attention, norms, embedding and head (`models.llama`, with `q_norm` / `k_norm` when
+    `qk_norm`) plus the router and one HF tensor per expert and projection (`Source.parts`)."""
+
+    router_bias = False
+    FIXED: dict = {}  # config.model (and model.moe) keys the architecture fixes: {key: value}
+    HF_MOE = ""  # the layer's MoE module in HF names, e.g. 'model.layers.{i}.mlp'
+    HF_EXPERTS = ("gate_proj", "up_proj", "down_proj")  # the expert's gate, up and down projections in HF names
+
+    @staticmethod
+    def config_defaults() -> dict:
+        defaults = MoE.config_defaults()
+        defaults["moe"]["capacity_factor"] = 0.0  # dropless, as transformers routes
+        return defaults
+
+    @classmethod
+    def check_config(cls, m, sizes, config) -> None:
+        MoE.check_config(m, sizes, config)
+        for key, want in cls.FIXED.items():
+            section, field = (m.moe, key[4:]) if key.startswith("moe.") else (m, key)
+            if section[field] != want:
+                raise ConfigError(f"config.model.{key}={section[field]!r}: model {m.name!r} is "
+                                  f"{cls.hf_architectures[0]}, which has {key}={want!r}; use model.name=moe for "
+                                  f"another routing or layer")
+
+    @classmethod
+    def hf_common_keys(cls, c: dict, where: str) -> dict:
+        """Llama's keys of an HF config.json (attention, RoPE, norms, vocabulary; Llama's refusals), without
+        Llama's dense MLP width."""
+        keys = llama.Llama.hf_model_keys(c, where)
+        del keys["d_ff"]
+        return keys
+
+    @staticmethod
+    def hf_common_config(m) -> dict:
+        """Llama's config.json entries of `m` (attention, RoPE, norms, vocabulary), without the dense MLP's."""
+        out = llama.Llama.hf_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": m.moe.d_ff_expert}))
+        for key in ("architectures", "model_type", "intermediate_size", "mlp_bias"):
+            del out[key]
+        return out
+
+    @classmethod
+    def hf_sources(cls, m, tensor_names=None):
+        """Llama's sources for attention, norms, embedding and head (tied heads as Llama reads them); the
+        router `gate.weight` [E, D] -> w_router [D, E]; expert e's projections, HF `Linear` [out, in] each,
+        -> we_gate / we_up [E, D, F], we_down [E, F, D]."""
+        D, E, F, S = m.d_model, m.moe.num_experts, m.moe.d_ff_expert, hf.Source
+        dense = ml_collections.ConfigDict({**m.to_dict(), "d_ff": F})
+        sources = {k: v for k, v in llama.Llama.hf_sources(dense, tensor_names).items()
+                   if k not in ("blocks/w_gate", "blocks/w_up", "blocks/w_down")}
+        if m.qk_norm:
+            Dh = m.head_dim or D // m.num_heads
+            for ours in ("q_norm", "k_norm"):
+                sources[f"blocks/{ours}"] = S(f"model.layers.{{i}}.self_attn.{ours}.weight", (Dh,), (Dh,))
+        gate, up, down = (f"{cls.HF_MOE}.experts.{{j}}.{n}.weight" for n in cls.HF_EXPERTS)
+        sources.update({
+            "blocks/w_router": S(f"{cls.HF_MOE}.gate.weight", (E, D), (E, D), (1, 0)),
+            "blocks/we_gate": S(gate, (F, D), (F, D), (1, 0), parts=E),
+            "blocks/we_up": S(up, (F, D), (F, D), (1, 0), parts=E),
+            "blocks/we_down": S(down, (D, F), (D, F), (1, 0), parts=E),
+        })
+        return sources

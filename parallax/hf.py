@@ -11,7 +11,9 @@ reads that table in both directions; the shipped models (models/) have theirs.
 rules give it; the callback reads only the slice of the safetensors data that one device holds
 (`safe_open(...).get_slice(name)[...]`, a memory-mapped read), and a stacked `[L, ...]` parameter is
 assembled from the per-layer HF tensors of that slice's layers, one layer at a time. Nothing sharded is
-ever whole on one host. Devices holding the same slice (replication) share one read.
+ever whole on one host. Devices holding the same slice (replication) share one read. A parameter that
+stacks several HF tensors per layer (`Source.parts`, e.g. one tensor per expert) reads only the parts its
+slice covers.
 
 **Export** gathers one HF tensor at a time (one layer of one parameter) and writes safetensors files of at
 most `max_shard_bytes` (an index json when there are several), plus the model's HF `config.json`.
@@ -118,8 +120,7 @@ class Checkpoint:
 
     def check_shapes(self, sources: dict, num_layers: int) -> None:
         for src in sources.values():
-            for i in range(num_layers if src.stacked else 1):
-                tensor = src.name.format(i=i)
+            for tensor in [t for i in range(num_layers if src.stacked else 1) for t in src.tensor_names(i)]:
                 shape = tuple(self.slice(tensor).get_shape())
                 if shape != src.hf_shape:
                     raise ConfigError(f"--hf_dir={self.dir}: tensor {tensor!r} has shape {shape} but config.json "
@@ -206,7 +207,7 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
                   max_shard_bytes: int = 5 << 30, special_ids: dict | None = None) -> list[str]:
     """Writes `params` (our pure dict, possibly sharded) as an HF checkpoint in `out_dir`: config.json and
     model.safetensors, or model-0000i-of-0000n.safetensors + index json when larger than `max_shard_bytes`.
-    Gathers one HF tensor (one layer of one parameter) at a time; only process 0 writes. Returns the files.
+    Gathers one HF tensor (one layer of one parameter, or one part of it: `Source.parts`) at a time; only process 0 writes. Returns the files.
     `special_ids` (`eos_token_id`, `bos_token_id`: the run's tokenizer's) go into config.json and a
     generation_config.json, so that transformers' `generate` stops at the end of a text."""
     st = _safetensors()
@@ -222,6 +223,7 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
         by_name.setdefault(src.name, []).append((path, src))
     items = [(n, 0) for n in by_name if "{i}" not in n]
     items += [(n, i) for i in range(model_config.num_layers) for n in by_name if "{i}" in n]
+    items = [(n, i, j) for n, i in items for j in (range(by_name[n][0][1].parts) if "{j}" in n else [None])]
     lead = jax.process_index() == 0
     if lead:
         os.makedirs(out_dir, exist_ok=True)
@@ -237,11 +239,12 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
             files.append((None, list(current)))
         current, size = {}, 0
 
-    for template, layer in items:
-        tensor, pieces = template.format(i=layer), by_name[template]
+    for template, layer, part in items:
+        tensor, pieces = template.format(i=layer, j=part), by_name[template]
         hf = np.zeros(pieces[0][1].hf_shape, np.float32)
         for path, src in pieces:
-            ours = _host_value(flat[path][layer] if src.stacked else flat[path])
+            ours = flat[path][layer] if src.stacked else flat[path]
+            ours = _host_value(ours if part is None else ours[part])
             index = [slice(None)] * hf.ndim
             if src.block:
                 index[src.block[0]] = slice(src.block[1], src.block[2])
@@ -297,6 +300,17 @@ def export_tokenizer(kept: str, out_dir: str) -> list[str]:
 
 # --- whole workdirs ------------------------------------------------------------------------------------
 
+def _dotted(keys: dict, prefix: str = "") -> dict:
+    """{'moe': {'top_k': 2}} -> {'moe.top_k': 2}."""
+    out = {}
+    for key, value in keys.items():
+        if isinstance(value, dict):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 def import_config(ckpt: Checkpoint, base_path: str | None, overrides) -> object:
     """The parallax config of a run starting from `ckpt`: `base_path`'s (or the defaults for the model),
     with the command line's overrides, and the model keys from the HF config.json."""
@@ -307,9 +321,10 @@ def import_config(ckpt: Checkpoint, base_path: str | None, overrides) -> object:
     if config.model.name != ckpt.name:
         raise ConfigError(f"--config={base_path}: model.name={config.model.name!r} but --hf_dir={ckpt.dir} holds a "
                           f"{ckpt.name} checkpoint; use a config of model {ckpt.name!r}, or none (the defaults)")
+    from_checkpoint = _dotted(ckpt.model_keys)  # a section's keys too, e.g. 'moe.top_k'
     for key, value in overrides:
-        if key.startswith("model.") and key.split(".", 1)[1] in ckpt.model_keys:
-            raise ConfigError(f"config.{key}: set by the checkpoint's config.json ({ckpt.model_keys[key[6:]]}); "
+        if key.startswith("model.") and key.split(".", 1)[1] in from_checkpoint:
+            raise ConfigError(f"config.{key}: set by the checkpoint's config.json ({from_checkpoint[key[6:]]}); "
                               "drop this override")
         apply_override(config, key, value)
     config.model.update(ckpt.model_keys)

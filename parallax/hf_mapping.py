@@ -19,16 +19,25 @@ class Source:
 
     ours = transpose(reshape(hf[name][block], view), perm), where `block = (axis, start, stop)` cuts a part
     of a fused HF tensor (e.g. a fused q|k|v projection) and `view` splits HF axes only (e.g. [H*Dh, D] -> (H, Dh, D)).
+    With `parts` = n > 0 our (per-layer) parameter is n such tensors stacked on a leading axis: '{j}' in the
+    name stands for the index along it (e.g. a layer's experts stored one HF tensor each).
     """
-    name: str  # HF tensor name; '{i}' stands for the layer index of a stacked parameter
-    hf_shape: tuple  # the whole HF tensor
+    name: str  # HF tensor name; '{i}' stands for the layer index of a stacked parameter, '{j}' for the part
+    hf_shape: tuple  # the whole HF tensor (one part's)
     view: tuple
     perm: tuple = None  # view axes in our order (default: as they are)
     block: tuple = None  # (axis, start, stop) of the HF tensor that is ours
+    parts: int = 0  # > 0: our leading axis stacks this many HF tensors, named with '{j}' = 0 .. parts-1
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.name
+
+    def tensor_names(self, layer: int) -> list[str]:
+        """The HF tensors of one layer of this parameter (one per part)."""
+        if self.parts:
+            return [self.name.format(i=layer, j=j) for j in range(self.parts)]
+        return [self.name.format(i=layer)]
 
     def block_shape(self) -> tuple:
         shape = list(self.hf_shape)
@@ -53,13 +62,20 @@ class Source:
 
     def our_shape(self) -> tuple:
         perm = self.perm or tuple(range(len(self.view)))
-        return tuple(self.view[p] for p in perm)
+        return (self.parts,) * bool(self.parts) + tuple(self.view[p] for p in perm)
 
     def read(self, handle, layer: int, our_index: tuple) -> np.ndarray:
         """Our slice `our_index` (one slice per our per-layer axis) of layer `layer`, as float32.
 
         Reads from the file the rows of each HF axis that the slice of its leading view axis covers; a slice
-        of an inner view axis (e.g. head_dim, which the rules never shard) is cut after the read."""
+        of an inner view axis (e.g. head_dim, which the rules never shard) is cut after the read. With
+        `parts`, only the parts the slice of our leading axis covers are read."""
+        if self.parts:
+            names = self.tensor_names(layer)[our_index[0]]
+            return np.stack([self._read(handle, name, our_index[1:]) for name in names])
+        return self._read(handle, self.name.format(i=layer), our_index)
+
+    def _read(self, handle, name: str, our_index: tuple) -> np.ndarray:
         perm = self.perm or tuple(range(len(self.view)))
         view_index = [slice(None)] * len(self.view)
         for ours, v in enumerate(perm):
@@ -72,7 +88,7 @@ class Source:
             offset = self.block[1] if self.block and self.block[0] == axis else 0
             hf_index.append(slice(offset + start * rest, offset + stop * rest))
             inner += [slice(None)] + [view_index[v] for v in group[1:]]
-        data = np.asarray(handle(self.name.format(i=layer))[tuple(hf_index)])
+        data = np.asarray(handle(name)[tuple(hf_index)])
         shape = []  # the read rows, split as the view splits each HF axis
         for axis, group in enumerate(self.groups()):
             rest = [self.view[v] for v in group[1:]]
@@ -81,7 +97,8 @@ class Source:
         return np.transpose(data, perm).astype(np.float32)
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
-        """One layer of our parameter -> its block of the HF tensor (the inverse of `read`)."""
+        """One layer (and part, with `parts`) of our parameter -> its block of the HF tensor (the inverse of
+        `read`)."""
         perm = self.perm or tuple(range(len(self.view)))
         return np.transpose(ours, np.argsort(perm)).reshape(self.block_shape())
 

@@ -119,6 +119,8 @@ def resolve(section, cls, model_config, abstract_blocks: dict) -> LoraSettings:
         src = sources.get(f"blocks/{name}")
         if src is None or not src.stacked or len(src.hf_shape) != 2 or not src.name.endswith(".weight"):
             why[name] = "not a two-dim HF weight"
+        elif src.parts:
+            why[name] = f"{src.parts} HF tensors per layer ({src.name}), which peft adapts one by one"
         elif src.block is not None:
             why[name] = f"a part of the fused HF tensor {src.name}, which peft adapts as a whole"
         else:

@@ -15,7 +15,7 @@ from parallax.trainer import shape_check
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 DEVICES = {"llama3_8b.py": 8, "llama3_70b.py": 64, "llama3_70b_pp.py": 64, "mixtral_8x7b.py": 64,
-           "deepseek_v3.py": 512}
+           "deepseek_v3.py": 512, "qwen3_30b_a3b.py": 32}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
