@@ -208,6 +208,7 @@ class MoE(Model):
     parallel_axes = ("tensor", "seq", "expert")
     rules = {"router": None}  # the router's expert dim: every rank scores every expert
     router_bias = True  # the choosing bias of aux-loss-free balancing (a subclass without it: `HFMoE`)
+    attention_features = staticmethod(llama.Llama.attention_features)  # Llama's attention, its sliding_window too
 
     @staticmethod
     def config_defaults() -> dict:

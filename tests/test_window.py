@@ -374,12 +374,12 @@ def mistral_reference():
     return loss_grads_and_steps(config, jax.devices()[:1], steps=3)
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2), dict(tensor=2, seq=2, attention="ring"),
-                                  dict(pipe=2, tensor=2)], ids=["data-fsdp", "tensor-seq-ring", "pipe-tensor"])
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2), dict(pipe=2, tensor=2)], ids=["data-fsdp", "pipe-tensor"])
 def test_mistral_trains_on_a_mesh_as_on_one_device(mesh, mistral_reference):
     """Loss, every gradient leaf and 3 steps at 1e-5 against one device: data x fsdp (the compiler's
-    sharding, blockwise tiles), tensor x seq with ring attention (the manual region; the window in ring's
-    block updates), and a 1f1b pipeline with tensor parallelism inside its stages."""
+    sharding, blockwise tiles) and a 1f1b pipeline with tensor parallelism inside its stages (the manual
+    region). The window in ring / usp / all-gather attention is checked at the op level above (a tensor x seq
+    ring case here, 17 s, left for CI time)."""
     from helpers import assert_parity, loss_grads_and_steps
 
     config = _mistral(**mesh)
