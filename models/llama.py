@@ -82,12 +82,13 @@ def rope(x, positions, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def swiglu(h, w_gate, w_up, w_down):
-    """SwiGLU: h [B, T, D], weights [D, F], [D, F], [F, D] -> [B, T, D]."""
-    gate = jnp.einsum("btd,df->btf", h, w_gate)  # (B, T, F)
-    up = jnp.einsum("btd,df->btf", h, w_up)  # (B, T, F)
-    act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", act, w_down)
+def swiglu(h, gate, up, down):
+    """SwiGLU: h [B, T, D] -> [B, T, D]; `gate`, `up` ([D, F]) and `down` ([F, D]) are the weights'
+    projections (`par.projection`: `(spec, x) -> y`)."""
+    g = gate("btd,df->btf", h)  # (B, T, F)
+    u = up("btd,df->btf", h)  # (B, T, F)
+    act = constrain(jax.nn.silu(g) * u, ("batch", "length", "act_mlp"))
+    return down("btf,fd->btd", act)
 
 
 class Blocks(nnx.Module):
@@ -130,12 +131,12 @@ class Blocks(nnx.Module):
         forward in the backward. x: this rank's [B, T/(s*t), D] -> [B, T/(s*t), D]. Chunk j of rank r's
         positions, gathered over `tensor`, is every rank's chunk j, and the reduce-scatter hands each rank its
         own back."""
-        cfg, dt, w = self.cfg, self.cfg.compute_dtype, par.weight
-        scale, wg, wu, wd = w(self.mlp_norm), w(self.w_gate, dt), w(self.w_up, dt), w(self.w_down, dt)
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        scale, mlp = par.weight(self.mlp_norm), [par.projection(v, dt) for v in (self.w_gate, self.w_up, self.w_down)]
         b, tl, d = x.shape
 
         def one(_, xc):
-            return None, par.scatter_seq(swiglu(par.gather_seq(rms_norm(xc, scale, cfg.norm_eps)), wg, wu, wd))
+            return None, par.scatter_seq(swiglu(par.gather_seq(rms_norm(xc, scale, cfg.norm_eps)), *mlp))
         one = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable)
         _, ys = jax.lax.scan(one, None, jnp.moveaxis(x.reshape(b, n, tl // n, d), 1, 0))
         return jnp.moveaxis(ys, 0, 1).reshape(b, tl, d)
@@ -145,21 +146,21 @@ class Blocks(nnx.Module):
         cfg, dt, w = self.cfg, self.cfg.compute_dtype, par.weight
         segment_ids, positions = batch["segment_ids"], batch["positions"]
         h = par.gather_seq(rms_norm(x, w(self.attn_norm), cfg.norm_eps))  # (B, T, D)
-        q = jnp.einsum("btd,dhk->bthk", h, w(self.wq, dt))  # (B, T, H, Dh)
-        k = jnp.einsum("btd,dhk->bthk", h, w(self.wk, dt))  # (B, T, K, Dh)
-        v = jnp.einsum("btd,dhk->bthk", h, w(self.wv, dt))  # (B, T, K, Dh)
+        q = par.dot("btd,dhk->bthk", h, self.wq, dt)  # (B, T, H, Dh)
+        k = par.dot("btd,dhk->bthk", h, self.wk, dt)  # (B, T, K, Dh)
+        v = par.dot("btd,dhk->bthk", h, self.wv, dt)  # (B, T, K, Dh)
         if cfg.qk_norm:  # per head, over head_dim, before RoPE
             q, k = rms_norm(q, w(self.q_norm), cfg.norm_eps), rms_norm(k, w(self.k_norm), cfg.norm_eps)
         q = constrain(rope(q, positions, cfg.rope_theta), ("batch", "length", "act_heads", None))
         k = constrain(rope(k, positions, cfg.rope_theta), ("batch", "length", "act_kv_heads", None))
         a = par.attention(q, k, v, segment_ids, positions, window=cfg.sliding_window)  # (B, T, H, Dh)
-        x = x + par.scatter_seq(jnp.einsum("bthk,hkd->btd", a, w(self.wo, dt)))
+        x = x + par.scatter_seq(par.dot("bthk,hkd->btd", a, self.wo, dt))
         return constrain(x, ("batch", "length", "act_embed"))
 
     def mlp(self, h, par: Parallelism = DENSE):
         """SwiGLU on the normed, gathered stream h [B, T, D] -> [B, T, D] (partial sums over `tensor`)."""
-        dt, w = self.cfg.compute_dtype, par.weight
-        return swiglu(h, w(self.w_gate, dt), w(self.w_up, dt), w(self.w_down, dt))
+        dt = self.cfg.compute_dtype
+        return swiglu(h, *(par.projection(v, dt) for v in (self.w_gate, self.w_up, self.w_down)))
 
 
 class Llama(Model):

@@ -58,9 +58,11 @@ _KV_NAMES = ("batch", None, "act_kv_heads", None)  # cache [B, S, K, Dh]
 def decode_parallelism(par: Parallelism) -> Parallelism:
     """The plan's `par` for decoding: no manual region (the compiler shards the dense code over the mesh),
     the same kernels settings and platform, and `decoding=True` (a model may route differently, e.g. the MoE
-    model routes every token, whatever tokens share the batch)."""
+    model routes every token, whatever tokens share the batch). 8-bit projections as trained, unless
+    `quant.generate='high'`."""
+    quant = par.quant if par.quant is not None and par.quant.generate == "quantized" else None
     return dataclasses.replace(DENSE, attention_block=par.attention_block, loss_chunk=par.loss_chunk,
-                               platform=par.platform, attention_impl=par.attention_impl, decoding=True)
+                               platform=par.platform, attention_impl=par.attention_impl, decoding=True, quant=quant)
 
 
 class _EmbedAttends(Exception):

@@ -26,7 +26,7 @@ is what makes them independent of the batch, its microbatches and the mesh.
 MLP's hidden units) or, for a weight, over an FSDP axis: the local max is then wrong, and the scale's `pmax`
 over those axes gives every rank the one a single device computes. The rowwise scales of tokens need no
 collective over batch axes (a token's row is whole on its rank), which is why they are per token rather than
-per tensor. fp8_block needs no collective at all: its tiles never straddle a shard (`check` asks for local
+per tensor. fp8_block needs no collective at all: its tiles never straddle a shard (a ConfigError asks for local
 sizes that are multiples of B).
 
 **8-bit weight all-gathers.** A weight dim split over an FSDP axis is quantized on its shard (with the
@@ -212,8 +212,9 @@ def _weight(w, dtype, settings, layout):
     (tiles for fp8_block), its scales, w's output letters and sizes)."""
     fwd, fmax = _FORMATS[settings.mode][:2]
     w = w.astype(dtype)
-    if settings.blockwise:  # tiles never straddle a shard (`check`): the gather moves the compute dtype
+    if settings.blockwise:  # tiles never straddle a shard: the gather moves the compute dtype
         w2, outs, sizes = _canonical_w(_gather(w, layout.gather), layout)
+        _check_tiles(*w2.shape, settings, layout)
         wq, ws = quantize_tiles(w2, fwd, fmax, settings.block, tile_rows=True)
         return wq, ws, outs, sizes
     _, wl, _, contract = layout.letters()
@@ -245,9 +246,17 @@ def check_used(trace, model_name: str, *args) -> None:
                           "would run in 8 bits; set quant.mode=none, or project with par.dot (the model contract)")
 
 
+def _check_tiles(k: int, n: int, settings, layout) -> None:
+    if settings.blockwise and (k % settings.block or n % settings.block):
+        raise ConfigError(f"config.quant.block={settings.block}: the projection {layout.spec} multiplies [{k}] by "
+                          f"[{k}, {n}] here (contracting x output values, per rank); fp8_block tiles both by the "
+                          f"block: use a block dividing {k} and {n} (a power of two), or quant.mode=fp8")
+
+
 def _forward(x, w, settings, layout):
     _TRACED[0] += 1
     fwd, fmax, _, _, acc = _FORMATS[settings.mode]
+
     wq, ws, outs, sizes = _weight(w, x.dtype, settings, layout)
     x2, rows = _canonical_x(x, layout)
     if settings.blockwise:

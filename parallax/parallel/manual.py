@@ -189,12 +189,20 @@ class Parallelism:
         'btd,dhk->bthk'), x the activation and `var` the weight parameter. With `quant` (config.quant) the
         operands are 8-bit (`parallax.quant.dot`: scales taken across the ranks that split a contracting dim,
         FSDP shards quantized before their gather); x must then be in the compute dtype."""
+        return self.projection(var, dtype)(spec, x)
+
+    def projection(self, var, dtype=None):
+        """`dot` by `var` as a function `(spec, x) -> y`, for a loop that projects by the same weight every
+        step (a chunked MLP): the weight is gathered once, here; with `quant` its 8-bit gather runs per call
+        (inside the quantized dot's custom VJP, which gathers again in the backward)."""
         if self.quant is None:
-            return jnp.einsum(spec, x, self.weight(var, dtype))
+            w = self.weight(var, dtype)
+            return lambda spec, x: jnp.einsum(spec, x, w)
         from parallax import quant
         value = var[...]
         names = tuple(var.get_metadata()["logical"])
-        return quant.dot(x, value, self.quant, self._quant_layout(spec, names[len(names) - value.ndim:]))
+        names = names[len(names) - value.ndim:]
+        return lambda spec, x: quant.dot(x, value, self.quant, self._quant_layout(spec, names))
 
     def _quant_layout(self, spec, names):
         """Which mesh axes split the contracting and output dims of a weight of logical `names` here, and
