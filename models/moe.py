@@ -206,6 +206,7 @@ class MoE(Model):
     def config_defaults() -> dict:
         defaults = llama.Llama.config_defaults()
         del defaults["d_ff"], defaults["mlp_chunks"]  # the experts' width is moe.d_ff_expert; no dense MLP chunks
+        del defaults["tie_embeddings"]  # an untied head (`__init__`)
         return {**defaults, "moe": dict(MOE_DEFAULTS)}
 
     @staticmethod
