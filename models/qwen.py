@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from parallax import hf_mapping as hf
 
-from models.llama import Llama, decoder_hf_config, decoder_keys, decoder_sources
+from models import llama
 
 
 def _full_attention_only(c: dict, where: str) -> None:
@@ -30,14 +30,14 @@ def _no_sliding_window(m) -> dict:
             "layer_types": ["full_attention"] * m.num_layers}
 
 
-class Qwen2(Llama):
+class Qwen2(llama.Llama):
     """Qwen 2 / 2.5: the Llama decoder with q / k / v projection biases."""
 
     layer_options = {"qkv_bias": True}
 
     @staticmethod
     def config_defaults() -> dict:
-        return {**Llama.config_defaults(), "rope_theta": 1e6, "norm_eps": 1e-6}
+        return {**llama.Llama.config_defaults(), "rope_theta": 1e6, "norm_eps": 1e-6}
 
     hf_architectures = ("Qwen2ForCausalLM",)
 
@@ -45,27 +45,27 @@ class Qwen2(Llama):
     def hf_model_keys(c, where):
         """HF Qwen2 config.json -> our keys; refuses sliding-window attention."""
         _full_attention_only(c, where)
-        return decoder_keys(c, where)
+        return llama.decoder_keys(c, where)
 
     @staticmethod
     def hf_config(m):
-        return {**decoder_hf_config(m), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        return {**llama.decoder_hf_config(m), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                 **_no_sliding_window(m)}
 
     @staticmethod
     def hf_sources(m, tensor_names=None):
         """The Llama layout's tensors plus `self_attn.{q,k,v}_proj.bias` ([H*Dh] -> [H, Dh])."""
-        return decoder_sources(m, qkv_bias=True)
+        return llama.decoder_sources(m, qkv_bias=True)
 
 
-class Qwen3(Llama):
+class Qwen3(llama.Llama):
     """Qwen 3 (dense): the Llama decoder with QK-norm."""
 
     layer_options = {"qk_norm": True}
 
     @staticmethod
     def config_defaults() -> dict:
-        return {**Llama.config_defaults(), "rope_theta": 1e6, "norm_eps": 1e-6}
+        return {**llama.Llama.config_defaults(), "rope_theta": 1e6, "norm_eps": 1e-6}
 
     hf_architectures = ("Qwen3ForCausalLM",)
 
@@ -75,14 +75,14 @@ class Qwen3(Llama):
         if c.get("attention_bias", False):
             hf.unsupported(where, "attention_bias", c["attention_bias"], "parallax's Qwen3 has no attention biases")
         _full_attention_only(c, where)
-        return decoder_keys(c, where)
+        return llama.decoder_keys(c, where)
 
     @staticmethod
     def hf_config(m):
-        return {**decoder_hf_config(m), "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        return {**llama.decoder_hf_config(m), "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "attention_bias": False, **_no_sliding_window(m)}
 
     @staticmethod
     def hf_sources(m, tensor_names=None):
         """The Llama layout's tensors plus `self_attn.{q,k}_norm.weight` ([Dh] per layer)."""
-        return decoder_sources(m, qk_norm=True)
+        return llama.decoder_sources(m, qk_norm=True)
