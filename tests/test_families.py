@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch", reason="HF parity needs a CPU torch ('.[dev
 transformers = pytest.importorskip("transformers", reason="HF parity needs transformers ('.[dev]')")
 pytest.importorskip("safetensors", reason="parallax.hf needs safetensors")
 
-from helpers import assert_parity, bf16_train_eval_resume, loss_grads_and_steps, rel_err, tiny_config  # noqa: E402
+from helpers import (ROOT, assert_parity, bf16_train_eval_resume, loss_grads_and_steps, rel_err,  # noqa: E402
+                     tiny_config)
 from parallax import hf  # noqa: E402
 from parallax.errors import ConfigError  # noqa: E402
 from parallax.generate import generate  # noqa: E402
@@ -66,6 +67,8 @@ def test_imported_logits_export_and_greedy_decode_match_transformers(tmp_path, n
     assert m.name == {"qwen2.5": "qwen2", "qwen3": "qwen3"}.get(name, "llama")
     tied = FAMILIES[name][2].get("tie_word_embeddings", False)
     assert m.tie_embeddings == tied and ("head" in params) != tied  # one table, not a copy
+    # a config file of any of these families' models serves the others (the same keys), e.g. configs/dpo.py's
+    assert hf.import_config(hf.Checkpoint(hf_dir), os.path.join(ROOT, "configs", "dpo.py"), []).model.name == m.name
 
     tokens = np.random.default_rng(0).integers(0, 64, (2, 48)).astype(np.int32)
     ours, ref = _our_logits(trainer, params, tokens), _hf_logits(model, tokens)
