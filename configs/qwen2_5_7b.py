@@ -6,8 +6,9 @@
 Qwen2.5-7B's published shape (28 layers, d 3584, 28 heads of 128 over 4 kv heads, q/k/v biases, d_ff 18944,
 vocab 152064, untied head, RoPE theta 1e6): 7.62e9 parameters. As `llama3_8b.py`: 32 accumulated
 microbatches of one 8192-token sequence per GPU, full remat, blockwise attention, a chunked cross-entropy.
-Memory per device (`python launch/plan.py --config=configs/qwen2_5_7b.py`): docs/memory.md. The released
-weights import with `launch/hf_import.py --hf_dir=path/to/Qwen2.5-7B` (docs/hugging-face.md).
+Memory per device (`python launch/plan.py --config=configs/qwen2_5_7b.py`): a 27.1 GiB peak by XLA:CPU's
+analysis (docs/memory.md). The released weights import with `launch/hf_import.py --hf_dir=path/to/Qwen2.5-7B`
+(docs/hugging-face.md).
 """
 
 from parallax.defaults import default_config

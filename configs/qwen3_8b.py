@@ -6,8 +6,9 @@
 Qwen3-8B's published shape (36 layers, d 4096, 32 heads of 128 over 8 kv heads, d_ff 12288, vocab 151936,
 untied head, QK-norm, RoPE theta 1e6): 8.19e9 parameters. As `llama3_8b.py`: 32 accumulated microbatches of
 one 8192-token sequence per GPU, full remat, blockwise attention, a chunked cross-entropy. Memory per device
-(`python launch/plan.py --config=configs/qwen3_8b.py`): docs/memory.md. To fine-tune the released weights,
-import them instead (`launch/hf_import.py --hf_dir=path/to/Qwen3-8B`, docs/hugging-face.md).
+(`python launch/plan.py --config=configs/qwen3_8b.py`): a 30.8 GiB peak by XLA:CPU's analysis
+(docs/memory.md). To fine-tune the released weights, import them instead (`launch/hf_import.py
+--hf_dir=path/to/Qwen3-8B`, docs/hugging-face.md).
 """
 
 from parallax.defaults import default_config
