@@ -214,7 +214,9 @@ class MoE(Model):
     def config_defaults() -> dict:
         defaults = llama.Llama.config_defaults()
         del defaults["d_ff"], defaults["mlp_chunks"]  # the experts' width is moe.d_ff_expert; no dense MLP chunks
-        return {**defaults, "moe": dict(MOE_DEFAULTS)}
+        del defaults["tie_embeddings"]  # an untied head (`__init__`)
+        # RMSNorm over head_dim on q and k before RoPE (Qwen3-MoE's), with scales q_norm / k_norm
+        return {**defaults, "qk_norm": False, "moe": dict(MOE_DEFAULTS)}
 
     @staticmethod
     def check_config(m, sizes, config) -> None:
@@ -331,13 +333,14 @@ class HFMoE(MoE):
         """Llama's keys of an HF config.json (attention, RoPE, norms, vocabulary; Llama's refusals), without
         Llama's dense MLP width."""
         keys = llama.Llama.hf_model_keys(c, where)
-        del keys["d_ff"]
+        del keys["d_ff"], keys["tie_embeddings"]  # a tied checkpoint is read untied (`hf_sources`)
         return keys
 
     @staticmethod
     def hf_common_config(m) -> dict:
         """Llama's config.json entries of `m` (attention, RoPE, norms, vocabulary), without the dense MLP's."""
-        out = llama.Llama.hf_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": m.moe.d_ff_expert}))
+        out = llama.Llama.hf_config(ml_collections.ConfigDict({**m.to_dict(), "d_ff": m.moe.d_ff_expert,
+                                                                "tie_embeddings": False}))
         for key in ("architectures", "model_type", "intermediate_size", "mlp_bias"):
             del out[key]
         return out
@@ -348,9 +351,12 @@ class HFMoE(MoE):
         router `gate.weight` [E, D] -> w_router [D, E]; expert e's projections, HF `Linear` [out, in] each,
         -> we_gate / we_up [E, D, F], we_down [E, F, D]."""
         D, E, F, S = m.d_model, m.moe.num_experts, m.moe.d_ff_expert, hf.Source
-        dense = ml_collections.ConfigDict({**m.to_dict(), "d_ff": F})
+        dense = ml_collections.ConfigDict({**m.to_dict(), "d_ff": F, "tie_embeddings": False})
         sources = {k: v for k, v in llama.Llama.hf_sources(dense, tensor_names).items()
                    if k not in ("blocks/w_gate", "blocks/w_up", "blocks/w_down")}
+        if tensor_names is not None and "lm_head.weight" not in tensor_names:  # tied: the head starts as the table
+            V = m.vocab_size
+            sources["head"] = S("model.embed_tokens.weight", (V, D), (V, D), (1, 0))
         if m.qk_norm:
             Dh = m.head_dim or D // m.num_heads
             for ours in ("q_norm", "k_norm"):

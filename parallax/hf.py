@@ -33,7 +33,7 @@ import numpy as np
 
 from parallax import lora
 from parallax.errors import ConfigError
-from parallax.model import ENTRY_POINT_GROUP, model_class
+from parallax.model import ENTRY_POINT_GROUP, model_class, model_config_defaults
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -313,11 +313,15 @@ def _dotted(keys: dict, prefix: str = "") -> dict:
 
 def import_config(ckpt: Checkpoint, base_path: str | None, overrides) -> object:
     """The parallax config of a run starting from `ckpt`: `base_path`'s (or the defaults for the model),
-    with the command line's overrides, and the model keys from the HF config.json."""
+    with the command line's overrides, and the model keys from the HF config.json. A `base_path` config of
+    another model with the same `config.model` keys (e.g. a fine-tuning config written for one family of a
+    decoder that several families share) is taken for the checkpoint's model."""
     from parallax.config import apply_override
     from parallax.defaults import default_config, load_config_file
 
     config = load_config_file(base_path) if base_path else default_config(ckpt.name)
+    if config.model.name != ckpt.name and set(config.model.keys()) == set(model_config_defaults(ckpt.name)):
+        config.model.name = ckpt.name  # a model with the same keys (one decoder, another HF family): its values
     if config.model.name != ckpt.name:
         raise ConfigError(f"--config={base_path}: model.name={config.model.name!r} but --hf_dir={ckpt.dir} holds a "
                           f"{ckpt.name} checkpoint; use a config of model {ckpt.name!r}, or none (the defaults)")
