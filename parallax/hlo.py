@@ -43,6 +43,26 @@ def count_collectives(compiled_or_hlo_text) -> dict[str, int]:
     return counts
 
 
+_TYPED_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "bf16": 2, "f16": 2, "s16": 2,
+          "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def collective_bytes(compiled_or_hlo_text, op: str = "all-gather") -> dict[str, int]:
+    """Bytes that each `op` in the program produces, summed by element type (e.g. {'s8': ..., 'f32': ...});
+    of an async `-start`, its output (the last array of its tuple). Each instruction counts once, as above."""
+    found: dict[str, int] = {}
+    for line in _text(compiled_or_hlo_text).splitlines():
+        match = _INSTRUCTION.search(line)
+        if match is None or match["op"] != op:
+            continue
+        arrays = _TYPED_ARRAY.findall(match["shape"])
+        for dtype, dims in arrays[-1:] if match["start"] else arrays:
+            size = math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
+            found[dtype] = found.get(dtype, 0) + size
+    return found
+
+
 def largest_collective_shape(compiled_or_hlo_text) -> tuple[int, ...] | None:
     """The array shape with the most elements that any collective produces (None if there are none)."""
     shapes = [shape for _, result in collective_shapes(compiled_or_hlo_text) for shape in result]

@@ -35,6 +35,7 @@ import re
 
 import jax
 
+from parallax import hlo
 from parallax.errors import ConfigError
 from parallax.steps.pipeline import rank_balance
 from parallax.plan import abstract_batch, make_plan
@@ -88,6 +89,7 @@ class MemoryReport:
     host_temp: int = 0  # XLA: temporaries in host memory (model.remat='offload': the layers' inputs), not in peak
     host_arguments: int = 0  # XLA: inputs in host memory (optim.offload_state: the optimizer state), not in peak
     xla_peak: int = 0  # XLA:TPU's own peak (`peak_memory_in_bytes`, arguments included); 0 where not reported
+    gathered: tuple = ()  # ((element type, bytes), ...) the compiled step's all-gathers produce (each counted once)
 
     @property
     def bound(self) -> int:
@@ -180,7 +182,8 @@ def memory_report(config, devices=None) -> MemoryReport:
     batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
              for k, a in abstract_batch(config).items()}
     memory = compiled.memory_analysis()
-    kernel_calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    text = compiled.as_text()
+    kernel_calls = text.count('custom_call_target="tpu_custom_call"')
     params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)
     trainable = trainer.plan.trainable or jax.tree.map(lambda _: True, trainer.abstract_params)
     grads = sum(math.prod(s.shard_shape(a.shape)) * 4 for a, s, t in
@@ -198,6 +201,7 @@ def memory_report(config, devices=None) -> MemoryReport:
         host_temp=getattr(memory, "host_temp_size_in_bytes", 0) or 0,
         host_arguments=getattr(memory, "host_argument_size_in_bytes", 0) or 0,
         xla_peak=_xla_peak(memory, trainer.plan.platform),
+        gathered=tuple(sorted(hlo.collective_bytes(text, "all-gather").items())),
         ranks=tuple(rank_balance(trainer.plan)) if trainer.plan.schedule is not None else ())
 
 

@@ -42,6 +42,10 @@ by sharding its annotated weights and activations with the compiler. A model tha
 and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its parallel points:
 
     par.weight(var, dtype=None)       the parameter as this rank uses it (FSDP shards gathered in `dtype`)
+    par.dot(spec, x, var, dtype)      a projection, einsum(spec, x, weight(var, dtype)); 8-bit operands with
+                                      config.quant (`parallax.quant`); `par.projection(var, dtype)` -> (spec, x)
+                                      -> y for a loop over one weight. A model that multiplies weights some other
+                                      way still trains, but refuses config.quant (nothing would be quantized)
     par.embed(table_param, tokens, dtype)   (vocabulary-parallel) embedding lookup of an nnx.Param table
     par.gather_seq(x), par.scatter_seq(y), par.split_seq(x)   sequence-parallel boundaries over `tensor`
     par.attention(q, k, v, segment_ids, positions, window=None, softcap=None)
