@@ -61,11 +61,11 @@ class GemmaConfig:
     dtype: str = "float32"
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    query_pre_attn_scalar: int = 0  # 0: head_dim
+    query_pre_attn_scalar: int = 0
     sliding_window: int = 0
     global_every: int = 2
     rope_theta: float = 10000.0
-    rope_local_theta: float = 0.0  # 0: rope_theta
+    rope_local_theta: float = 0.0
     rope_scale: float = 1.0
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
@@ -181,19 +181,6 @@ class Blocks(nnx.Module):
         return jnp.where(is_local, local, glob)
 
 
-_COMMON_DEFAULTS = dict(
-    d_model=64,  # width of the residual stream
-    num_heads=4,  # query heads
-    num_kv_heads=2,  # key / value heads (grouped-query attention)
-    head_dim=16,  # per-head width (independent of d_model)
-    d_ff=128,  # GeGLU hidden width
-    norm_eps=1e-6,  # RMSNorm epsilon
-    init_std=0.02,  # std of the normal initialisation
-    query_pre_attn_scalar=0,  # the attention logits are scaled by its -1/2 power (0: head_dim)
-    final_softcap=0.0,  # final logit soft cap c: c * tanh(logits / c) (0: none)
-)
-
-
 class Gemma(Model):
     """The Gemma decoder: scaled, tied token embedding, `blocks`, final unit-offset RMSNorm, soft-capped logits.
     `Gemma2` and `Gemma3` (below) are its Hugging Face architectures."""
@@ -203,19 +190,24 @@ class Gemma(Model):
 
     @classmethod
     def settings(cls, m) -> GemmaConfig:
-        return GemmaConfig.from_config(m, **cls.fixed)
+        cfg = GemmaConfig.from_config(m, **cls.fixed)
+        return dataclasses.replace(cfg, head_dim=cfg.head_dim or cfg.d_model // cfg.num_heads)
 
     @classmethod
     def attention_features(cls, m) -> frozenset:
         cfg = cls.settings(m)
-        return frozenset(({"window"} if any(local_layers(cfg)) else set()) | ({"softcap"} if cfg.attn_softcap else set()))
+        features = {"window"} if any(local_layers(cfg)) else set()
+        return frozenset(features | ({"softcap"} if cfg.attn_softcap else set()))
 
     @classmethod
     def check_config(cls, m, sizes, config) -> None:
-        cfg = cls.settings(m)
-        for key in ("d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "global_every"):
-            if key in m and int(m[key]) <= 0:
+        for key in ("d_model", "num_heads", "num_kv_heads", "d_ff", "global_every"):
+            if int(m[key]) <= 0:
                 raise ConfigError(f"config.model.{key}={m[key]}: must be positive")
+        if m.head_dim < 0 or (not m.head_dim and m.d_model % m.num_heads):
+            raise ConfigError(f"config.model.head_dim={m.head_dim}: must be positive, or 0 with d_model={m.d_model} "
+                              f"divisible by num_heads={m.num_heads}")
+        cfg = cls.settings(m)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(f"config.model.num_heads={cfg.num_heads}: not divisible by num_kv_heads="
                               f"{cfg.num_kv_heads}; make num_heads a multiple of num_kv_heads")
@@ -223,7 +215,8 @@ class Gemma(Model):
             raise ConfigError(f"config.model.head_dim={cfg.head_dim}: RoPE needs an even head_dim")
         for key in ("sliding_window", "query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
             if key in m and m[key] < 0:
-                raise ConfigError(f"config.model.{key}={m[key]}: must be >= 0 (0: {'none' if key != 'query_pre_attn_scalar' else 'head_dim'})")
+                zero = "head_dim" if key == "query_pre_attn_scalar" else "none"
+                raise ConfigError(f"config.model.{key}={m[key]}: must be >= 0 (0: {zero})")
         for key in ("rope_theta", "rope_scale"):
             if key in m and m[key] <= 0:
                 raise ConfigError(f"config.model.{key}={m[key]}: must be positive")
@@ -267,8 +260,9 @@ class Gemma(Model):
         kinds = local_layers(cfg)
         return {"vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
                 "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-                "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_activation": "gelu_pytorch_tanh",
-                "rms_norm_eps": m.norm_eps, "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+                "num_key_value_heads": m.num_kv_heads, "head_dim": cfg.head_dim,
+                "hidden_activation": "gelu_pytorch_tanh",
+                "rms_norm_eps": m.norm_eps, "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
                 "sliding_window": int(m.sliding_window) or None,
                 "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
                 "final_logit_softcapping": float(m.final_softcap) or None, "attention_bias": False,
@@ -282,7 +276,8 @@ class Gemma(Model):
         `lm_head.weight`, if it has one, is that same tensor and is not read), and the layer kinds, which
         config.json sets (`Constant`)."""
         cfg = cls.settings(m)
-        D, H, K, F, V, Dh, S = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_ff, cfg.vocab_size, cfg.head_dim, hf.Source
+        D, H, K, F, V, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_ff, cfg.vocab_size, cfg.head_dim
+        S = hf.Source
         layer = "model.layers.{i}."
         sources = {
             "embedding": S("model.embed_tokens.weight", (V, D), (V, D)),
@@ -356,13 +351,21 @@ class Gemma2(Gemma):
 
     @staticmethod
     def config_defaults() -> dict:
-        return {**_COMMON_DEFAULTS,
-                "sliding_window": 4096,  # local layers attend to their document's latest this many positions (0: none)
-                "global_every": 2,  # layer i is global iff (i + 1) % global_every == 0 (the others local)
-                "rope_theta": 10000.0,  # RoPE base frequency
-                "attn_softcap": 50.0,  # attention logit soft cap (0: none)
-                "final_softcap": 30.0,  # final logit soft cap (0: none)
-                }
+        return dict(
+            d_model=64,  # width of the residual stream
+            num_heads=4,  # query heads
+            num_kv_heads=2,  # key / value heads (grouped-query attention; num_heads a multiple of it)
+            head_dim=0,  # per-head width (0: d_model / num_heads)
+            d_ff=128,  # GeGLU hidden width
+            norm_eps=1e-6,  # RMSNorm epsilon
+            init_std=0.02,  # std of the normal initialisation
+            query_pre_attn_scalar=0,  # the attention logits are scaled by its -1/2 power (0: head_dim)
+            sliding_window=4096,  # each query attends its document's latest this many positions (0: every earlier one)
+            global_every=2,  # layer i is global (no window) iff (i + 1) % global_every == 0; the others local
+            rope_theta=10000.0,  # RoPE base frequency
+            attn_softcap=50.0,  # attention logit soft cap c: c * tanh(logits / c) (0: none)
+            final_softcap=30.0,  # final logit soft cap c: c * tanh(logits / c) (0: none)
+        )
 
     @staticmethod
     def hf_model_keys(c, where):
@@ -372,7 +375,8 @@ class Gemma2(Gemma):
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             hf.unsupported(where, "rope_type", rope_type, "Gemma 2's RoPE is unscaled (rope_type 'default')")
-        return {**Gemma._hf_common(c, where, 2), "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        return {**Gemma._hf_common(c, where, 2),
+                "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
                 "attn_softcap": float(c.get("attn_logit_softcapping") or 0.0)}
 
     @classmethod
@@ -391,13 +395,22 @@ class Gemma3(Gemma):
 
     @staticmethod
     def config_defaults() -> dict:
-        return {**_COMMON_DEFAULTS,
-                "sliding_window": 1024,  # local layers attend to their document's latest this many positions (0: none)
-                "global_every": 6,  # layer i is global iff (i + 1) % global_every == 0 (the others local)
-                "rope_theta": 1000000.0,  # RoPE base frequency of the global layers
-                "rope_scale": 1.0,  # the global layers' linear RoPE scaling factor (positions / factor; 1: none)
-                "rope_local_theta": 10000.0,  # RoPE base frequency of the local layers
-                }
+        return dict(
+            d_model=64,  # width of the residual stream
+            num_heads=4,  # query heads
+            num_kv_heads=2,  # key / value heads (grouped-query attention; num_heads a multiple of it)
+            head_dim=0,  # per-head width (0: d_model / num_heads)
+            d_ff=128,  # GeGLU hidden width
+            norm_eps=1e-6,  # RMSNorm epsilon
+            init_std=0.02,  # std of the normal initialisation
+            query_pre_attn_scalar=0,  # the attention logits are scaled by its -1/2 power (0: head_dim)
+            sliding_window=1024,  # each query attends its document's latest this many positions (0: every earlier one)
+            global_every=6,  # layer i is global (no window) iff (i + 1) % global_every == 0; the others local
+            rope_theta=1000000.0,  # RoPE base frequency
+            rope_scale=1.0,  # the global layers' linear RoPE scaling factor (positions / factor; 1: none)
+            rope_local_theta=10000.0,  # the local layers' RoPE base frequency (0: rope_theta)
+            final_softcap=0.0,  # final logit soft cap c: c * tanh(logits / c) (0: none)
+        )
 
     @staticmethod
     def hf_model_keys(c, where):
@@ -419,7 +432,8 @@ class Gemma3(Gemma):
             glob, loc = dict(c.get("rope_scaling") or {}), {}
         theta = float(glob.get("rope_theta", c.get("rope_theta", 1000000.0)))
         local_theta = float(loc.get("rope_theta", c.get("rope_local_base_freq", 10000.0)))
-        for kind, params, ok in (("full_attention", glob, ("default", "linear")), ("sliding_attention", loc, ("default",))):
+        for kind, params, ok in (("full_attention", glob, ("default", "linear")),
+                                 ("sliding_attention", loc, ("default",))):
             rope_type = params.get("rope_type", params.get("type", "default"))
             if rope_type not in ok:
                 hf.unsupported(where, f"rope_parameters.{kind}.rope_type", rope_type,

@@ -206,7 +206,8 @@ def test_gemma_layer_kinds_never_train_and_matter(gemma_reference):
     config = _gemma()
     config.model.update(attention_block=0, global_every=1)
     trainer = Trainer(config, devices=jax.devices()[:1])
-    _, other = trainer.loss_and_grads(trainer.init_state()["params"], trainer.device_batch(make_dataset(config).batch(0)))
+    batch = trainer.device_batch(make_dataset(config).batch(0))
+    _, other = trainer.loss_and_grads(trainer.init_state()["params"], batch)
     errs = {k: rel_err(other["blocks"][k], grads["blocks"][k]) for k in ("wq", "wk", "wv")}
     print("every layer global, gradient rel errors:", errs)
     assert min(errs.values()) > 1e-2, errs
