@@ -7,7 +7,8 @@
 `par.attention(q, k, v, segment_ids, positions)`, so decoding hands the blocks a `par` whose `attention`
 writes this layer's new keys / values into the cache at the tokens' positions and attends over the
 cache (slot j holds position j; a query at position p sees slots <= p, and with the layer's sliding window
-W only slots p - W + 1 .. p; a logit soft cap as in training). The shipped models and a model of your own
+W only slots p - W + 1 .. p, in a layer whose `windowed` flag is true where it passes one; a logit soft cap
+as in training). The shipped models and a model of your own
 decode with a cache without a line of decoding code. The cache has every slot of the window `seq_len`,
 also under a sliding window: no rolling buffer of W slots, so its memory is that of full attention, and
 rows past `seq_len` decode in rounds as below, also when W < seq_len. The layer scan carries the cache
@@ -79,7 +80,7 @@ class _CachedParallelism:
     def __getattr__(self, name):
         return getattr(self._base, name)
 
-    def attention(self, q, k, v, segment_ids, positions, *, window=None, softcap=None):
+    def attention(self, q, k, v, segment_ids, positions, *, window=None, softcap=None, windowed=None):
         del segment_ids  # decoded rows are one document each; padding is handled by positions (module doc)
         if self.where == "embed":
             raise _EmbedAttends()
@@ -96,8 +97,11 @@ class _CachedParallelism:
         self.cache = (ck, cv)
         slots = jnp.broadcast_to(jnp.arange(ck.shape[1], dtype=positions.dtype), ck.shape[:2])
         ones_q, ones_kv = jnp.ones(positions.shape, jnp.int32), jnp.ones(slots.shape, jnp.int32)
-        return attention_reference(q, ck.astype(q.dtype), cv.astype(q.dtype), ones_q, ones_kv, positions, slots,
-                                   window=window, softcap=softcap)
+
+        def attend(w):  # the layer's window (a static variant: `windowed` picks one per layer, as in training)
+            return lambda: attention_reference(q, ck.astype(q.dtype), cv.astype(q.dtype), ones_q, ones_kv, positions,
+                                               slots, window=w, softcap=softcap)
+        return attend(window)() if windowed is None else jax.lax.cond(windowed, attend(window), attend(None))
 
 
 def sample_logits(logits, key, temperature: float, top_k: int = 0, top_p: float = 1.0):

@@ -4,8 +4,9 @@
 **The mapping lives with the model** (the model contract, `parallax.model.Model`): `hf_architectures` (the
 HF `architectures` it reads and writes), `hf_model_keys` (HF config.json -> its `config.model` keys; a
 ConfigError for what it cannot run), `hf_config` (the reverse) and `hf_sources`, one `Source` (`parallax/hf_mapping.py`) per parameter:
-ours[layer] = transpose(reshape(hf[name][block], view), perm). This module holds the mechanism only and
-reads that table in both directions; the shipped models (models/) have theirs.
+ours[layer] = transpose(reshape(hf[name][block], view), perm), or a `Constant` (per-layer numbers config.json
+sets, no tensor). This module holds the mechanism only and reads that table in both directions; the shipped
+models (models/) have theirs.
 
 **Loading is sharded.** Each parameter is built with `jax.make_array_from_callback` on the sharding the
 rules give it; the callback reads only the slice of the safetensors data that one device holds
@@ -220,7 +221,8 @@ def export_params(params: dict, model_config, out_dir: str, dtype: str = "float3
     flat = {_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     by_name: dict[str, list] = {}
     for path, src in sources.items():
-        by_name.setdefault(src.name, []).append((path, src))
+        if src.name:  # a `Constant` has no tensor
+            by_name.setdefault(src.name, []).append((path, src))
     items = [(n, 0) for n in by_name if "{i}" not in n]
     items += [(n, i) for i in range(model_config.num_layers) for n in by_name if "{i}" in n]
     items = [(n, i, j) for n, i in items for j in (range(by_name[n][0][1].parts) if "{j}" in n else [None])]

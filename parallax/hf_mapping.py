@@ -103,6 +103,26 @@ class Source:
         return np.transpose(ours, np.argsort(perm)).reshape(self.block_shape())
 
 
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """A stacked parameter that no HF checkpoint holds: one number per layer that the HF config.json sets
+    (e.g. which layers attend through a sliding window, from its `layer_types`), so import fills it from
+    `values` and export writes no tensor for it (`hf_config` writes the config key it came from)."""
+    values: tuple  # one per layer
+    name: str = ""  # no tensor
+    hf_shape: tuple = ()
+    stacked = True
+
+    def tensor_names(self, layer: int) -> list[str]:
+        return []
+
+    def our_shape(self) -> tuple:
+        return ()
+
+    def read(self, handle, layer: int, our_index: tuple) -> np.ndarray:
+        return np.float32(self.values[layer])
+
+
 # --- helpers for the models' `hf_model_keys` -------------------------------------------------------------
 
 def required(hf: dict, key: str, where: str):

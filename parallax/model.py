@@ -48,7 +48,7 @@ and/or "seq" runs per rank inside one `shard_map`, and uses `par` at its paralle
                                       way still trains, but refuses config.quant (nothing would be quantized)
     par.embed(table_param, tokens, dtype)   (vocabulary-parallel) embedding lookup of an nnx.Param table
     par.gather_seq(x), par.scatter_seq(y), par.split_seq(x)   sequence-parallel boundaries over `tensor`
-    par.attention(q, k, v, segment_ids, positions, window=None, softcap=None)
+    par.attention(q, k, v, segment_ids, positions, window=None, softcap=None, windowed=None)
                                       causal attention within packed documents: dense, Ulysses, ring, usp
                                       or all-gather over `seq`, with the configured kernel (below)
     par.cross_entropy(logits, batch)  (vocabulary-parallel) weighted cross-entropy sum
@@ -74,6 +74,13 @@ splash (its `LocalMask` and `attn_logits_soft_cap`) and the KV-cache decode; the
 window but no soft cap. A model that uses them says so in its class hook `attention_features(model_config)`
 (a set of "window", "softcap"), so that the plan never picks a kernel lacking one for `attention_impl=auto`
 and refuses it with a ConfigError for an explicit `attention_impl`.
+
+**Alternating layers.** A third option, `windowed`, is traced: a boolean scalar saying whether `window`
+applies in this call. Layers that alternate local (windowed) and global attention are still one stack of
+identical blocks: each layer carries its kind as a stacked parameter that the optimizer never moves (read
+through `stop_gradient`: a zero gradient, and 1-D, so never weight-decayed; saved with the weights), and
+passes it as `windowed`. The call is a `lax.cond` between the two static variants, each compiled once, on
+every path (the layer scan, pipeline stages, the KV-cache decode).
 
 Decoding with a KV cache (`parallax.generate`) uses this same surface: it passes the blocks a `par` whose
 `attention` reads and writes the cache, so a layer must attend through `par.attention` (once) and take its

@@ -37,7 +37,8 @@ def test_library_imports_no_model_and_names_none_but_by_config():
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))), ids=os.path.basename)
 def test_every_config_names_its_model(path):
-    assert load_config_file(path).model.name in ("llama", "gpt2", "moe", "mistral", "mixtral", "qwen3_moe", "qwen2", "qwen3")
+    assert load_config_file(path).model.name in ("llama", "gpt2", "moe", "mistral", "mixtral", "qwen3_moe", "qwen2", "qwen3",
+                                                 "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module")

@@ -288,13 +288,22 @@ class Parallelism:
         table = constrain(table, ("vocab", None))  # gather FSDP shards of the table before the lookup
         return constrain(jnp.take(table, tokens, axis=0).astype(dtype), ("batch", "length", "act_embed"))
 
-    def attention(self, q, k, v, segment_ids, positions, *, window=None, softcap=None):
+    def attention(self, q, k, v, segment_ids, positions, *, window=None, softcap=None, windowed=None):
         """Causal attention within packed documents on this rank's heads: dense when seq == 1, else Ulysses,
         ring, usp (Ulysses x ring) or all-gather over `seq`. q [B, T/s, H/t, Dh]; k, v [B, T/s, K/t, Dh] (H % K == 0) ->
         [B, T/s, H/t, Dh]. Per-call static options (`sequence.attention_options`): `window` W > 0, a sliding
         window (a query at position p sees its document's keys at p - W + 1 .. p); `softcap` c > 0, the
         scaled logits capped to c * tanh(s / c) before the mask and softmax. Every kind and kernel has them
-        but cudnn the soft cap (the plan refuses it, from the model's `attention_options`)."""
+        but cudnn the soft cap (the plan refuses it, from the model's `attention_options`).
+
+        `windowed`: a traced boolean scalar (e.g. a per-layer flag of a stacked parameter) saying whether
+        `window` applies in this call: layers alternating local and global attention inside one scanned
+        stack. The call is then a `lax.cond` between the two static variants (each compiled once; only the
+        taken one runs)."""
+        if windowed is not None:
+            def variant(w):
+                return lambda *a: self.attention(*a, window=w, softcap=softcap)
+            return jax.lax.cond(windowed, variant(window), variant(None), q, k, v, segment_ids, positions)
         opts = dict(zip(("window", "softcap"), sequence.attention_options(window, softcap)))
         if self.seq == 1:
             return self._attend(q, k, v, segment_ids, segment_ids, positions, positions, **opts)
