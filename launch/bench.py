@@ -12,6 +12,7 @@
     python launch/bench.py --part=packs                                # context-parallel work: zigzag vs balanced
     python launch/bench.py --part=memory --cpu_devices=64              # docs/memory.md's table: XLA:CPU's peaks
     python launch/bench.py --part=split                                # the split backward's counted FLOPs
+    python launch/bench.py --part=quant --cpu_devices=1 --steps=800    # 8-bit vs bf16: eval loss (quickstart)
                                                                        # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -39,7 +40,7 @@ OVERLAP_SCHEDULES = [n for n, k in KINDS.items() if k.chunks == 2 and not k.pair
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).", lower_bound=0)
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
-                                  "diloco", "overlap", "packs", "memory", "split"],
+                                  "diloco", "overlap", "packs", "memory", "split", "quant"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.", lower_bound=1e-6)
@@ -531,6 +532,35 @@ def bench_diloco(steps: int):
               f"{time.perf_counter() - start:.0f} s |", flush=True)
 
 
+def bench_quant(steps: int):
+    """8-bit training against bf16 at equal steps: configs/quickstart.py (byte-level Llama on the stdlib
+    corpus) in bf16 with each `quant.mode`, on one device; each run's final eval loss and its ratio to bf16's
+    (docs/quantization.md's convergence table)."""
+    import tempfile
+    import time
+
+    from parallax.defaults import load_config_file
+    from parallax.train import train_and_evaluate
+
+    print(f"| quant.mode ({steps} steps, bf16 compute) | final eval loss | vs none | last train loss | time |\n"
+          "|---|---|---|---|---|", flush=True)
+    base = None
+    for mode in ("none", "int8", "fp8", "fp8_block"):
+        config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                               "quickstart.py"))
+        for axis in config.mesh:
+            config.mesh[axis] = 1
+        config.model.dtype = "bfloat16"
+        config.quant.update(mode=mode, block=32)
+        config.train.update(steps=steps, eval_every=steps, checkpoint_every=0, log_every=steps, eval_batches=8)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as workdir:
+            result = train_and_evaluate(config, workdir, log=lambda *_: None)
+        base = result.eval_loss if base is None else base
+        print(f"| {mode} | {result.eval_loss:.4f} | {100 * (result.eval_loss / base - 1):+.2f}% | "
+              f"{result.history[-1]['loss']:.4f} | {time.perf_counter() - start:.0f} s |", flush=True)
+
+
 # The TPU compiler turns all-to-alls into async start / done pairs only with this flag (MaxText sets it for MoE).
 ASYNC_ALL_TO_ALL = "--xla_tpu_enable_async_all_to_all=true"
 
@@ -703,6 +733,8 @@ def main(_):
     logging.set_verbosity(logging.WARNING)
     import jax
 
+    if FLAGS.part == "quant":
+        return bench_quant(FLAGS.steps)
     if FLAGS.part == "diloco":
         bench_diloco(FLAGS.steps)
         return

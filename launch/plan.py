@@ -105,11 +105,11 @@ def main(argv, overrides):
         print("\ndoes not fit; try:\n" + "\n".join(f"- {a}" for a in advice(config, report, hbm_gib * GIB)))
     if report.kernel_calls:
         print(f"\nkernels: {report.kernel_calls} tpu_custom_call (Pallas / Mosaic) in the compiled step")
+    moved = ", ".join(f"{t} {b / 2**20:,.3f} MiB" for t, b in report.gathered) or "none"
+    print(f"\nall-gathers in the compiled step, by element type (each instruction once, a loop body once): {moved}")
     if config.quant.mode != "none":
-        moved = ", ".join(f"{t} {b / 2**20:,.3f} MiB" for t, b in report.gathered) or "none"
-        print(f"\nquant: {config.quant.mode} (the layers' projections on 8-bit operands; FSDP weight gathers "
-              f"{'in 8 bits' if config.quant.gather else 'in the compute dtype'}); the step's all-gathers "
-              f"(each instruction once, a loop body once): {moved}")
+        print(f"quant: {config.quant.mode} (the layers' projections on 8-bit operands; FSDP weight gathers "
+              f"{'in 8 bits' if config.quant.gather else 'in the compute dtype'})")
     print(f"\npeak_gib={report.peak / GIB:.2f} hbm_gib={hbm_gib:g} fits={'yes' if fits else 'no'}")
     sys.exit(0 if fits else 1)
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.llama import rope
 from parallax import hf_mapping as hf
 from parallax.errors import ConfigError
 from parallax.model import (DENSE, Model, Parallelism, attention_flops_per_token, check_attention_split, constrain,
@@ -99,12 +100,6 @@ def inv_freq(theta: float, dh: int, scale: float = 1.0):
     return 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)) / scale
 
 
-def rope(x, positions, freqs):
-    """Rotary embedding on the two halves of the last dim. x [B, T, N, Dh], positions [B, T], freqs [Dh/2]."""
-    angles = positions.astype(jnp.float32)[..., None] * freqs  # (B, T, Dh/2)
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]  # (B, T, 1, Dh/2)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def _param(rngs, shape, logical, std):

@@ -164,10 +164,12 @@ def test_unsupported_options_are_one_line_errors(name, change, match):
 def _gemma(**mesh):
     """configs/tiny.py's shapes as a 4-layer Gemma 3 (local, global, local, global), window 8 in 8-token
     attention tiles, final soft cap 3: 32-token rows of documents of 9-29 tokens."""
+    from parallax.model import model_config_defaults
+
     config = tiny_config(**mesh)
-    model = config.model
+    model, gemma_keys = config.model, model_config_defaults("gemma3")
     with model.unlocked():
-        for key in ("mlp_chunks", "qk_norm"):  # Llama's keys that Gemma has not
+        for key in [k for k in model.keys() if k not in gemma_keys]:  # Llama's keys that Gemma has not
             del model[key]
         model.update(name="gemma3", num_layers=4, head_dim=16, sliding_window=WINDOW, global_every=2,
                      rope_theta=1000000.0, rope_local_theta=10000.0, rope_scale=8.0, final_softcap=3.0,

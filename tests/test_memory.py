@@ -109,6 +109,29 @@ def test_tpu_compiler_keeps_the_weights_cast_inside_the_layer_scan(model):
     assert re.findall(r"= (bf16\[4,[0-9,]*\])\S* convert\(", entry) == []
 
 
+def test_int8_train_step_on_the_tpu_compiler_multiplies_on_the_int8_units():
+    """config.quant.mode=int8 compiled by XLA:TPU (v5p, int8-native): the projections are int8 x int8 MXU
+    convolutions accumulating in s32 in the scheduled program (7 projections forward and 7 dx backward per
+    layer). The 8-bit weight gathers at real size: docs/quantization.md (Llama 3.1 8B on v5p:4x4x4 by
+    launch/plan.py: 208 MiB of bf16 -> 104 MiB of s8; at this tiny size the compiler packs them into u32
+    all-reduces instead)."""
+    pytest.importorskip("libtpu")
+    import re
+
+    from parallax.memory import tpu_devices
+    from parallax.plan import abstract_batch, make_plan
+    from parallax.trainer import Trainer
+
+    config = tiny_config(fsdp=4)
+    config.model.update(dtype="bfloat16", num_layers=2)
+    config.quant.mode = "int8"
+    trainer = Trainer(make_plan(config, 4, "tpu"), devices=tpu_devices("v5p:2x2x1"))
+    batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
+             for k, a in abstract_batch(config).items()}
+    text = trainer.train_step.lower(trainer.abstract_state(), batch).compile().as_text()
+    assert len(re.findall(r"= s32\[[0-9,]*\]\S* convolution\(", text)) >= 14
+
+
 def test_offloaded_layer_inputs_and_optimizer_state_leave_the_chip_on_the_tpu_compiler():
     """model.remat='offload' on the TPU compiler: each layer's input lives in host memory between the forward
     and the backward (XLA's host temporaries), so the chip's temporaries are under remat='full''s; with

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_parity, loss_grads_and_steps, read_metrics, tiny_config
+from helpers import loss_grads_and_steps, read_metrics, tiny_config
 from parallax import quant
 from parallax.errors import ConfigError
 from parallax.plan import abstract_batch, make_plan
@@ -92,7 +92,7 @@ def _dot_and_grads(mode, block, x, w, g):
     return (y, *vjp(g))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(_operands())
 def test_quantized_dot_equals_a_numpy_quantize_dequantize_reference(case):
     """Forward, dx (the quantized backward) and dw (high precision), on random shapes, with all-zero rows
@@ -186,14 +186,14 @@ def int8_reference():
     return loss_grads_and_steps(_config("int8"), jax.devices()[:1], steps=3)
 
 
-MESHES = {"data2-fsdp4": dict(data=2, fsdp=4), "tensor2-fsdp2-data2": dict(tensor=2, fsdp=2, data=2),
-          "1f1b-pipe2-tensor2-fsdp2": dict(pipe=2, tensor=2, fsdp=2)}
+MESHES = {"data2-fsdp4": dict(data=2, fsdp=4), "1f1b-pipe2-tensor2-fsdp2": dict(pipe=2, tensor=2, fsdp=2)}
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_int8_training_on_a_mesh_matches_int8_on_one_device(int8_reference, mesh):
-    """The compiler's sharding (data x fsdp), the manual region (tensor: scales across the heads' and the
-    MLP's ranks; fsdp: 8-bit gathers) and a pipeline with both inside its stages."""
+    """The compiler's sharding (data x fsdp) and the manual region: a pipeline with tensor (scales across the
+    heads' and the MLP's ranks) and fsdp (8-bit gathers) inside its stages. (tensor x fsdp x data without a
+    pipeline runs the same region code: left out for CI time, as the MoE case below runs it.)"""
     got = loss_grads_and_steps(_config("int8", **MESHES[mesh]), jax.devices(), steps=3)
     _assert_close(got, int8_reference)
     unquantized = loss_grads_and_steps(tiny_config(), jax.devices()[:1], steps=1) if mesh == "data2-fsdp4" else None
@@ -253,13 +253,13 @@ def test_the_compiled_step_multiplies_8_bit_operands_and_gathers_8_bit_weights(m
 # --- a run: bf16, checkpoints, eval, generation; errors --------------------------------------------------------
 
 def test_fp8_in_bf16_resumes_bitwise_evaluates_and_samples_on_the_quantized_dots(tmp_path):
-    """bf16 compute over fp32 master weights, fp8 on a tensor x fsdp x data mesh: 2 steps, a restart, 2 more
+    """bf16 compute over fp32 master weights, fp8 on a tensor x fsdp mesh: 2 steps, a restart, 2 more
     give the metrics of 4 straight steps bitwise; eval runs; sampling (on the 8-bit dots) runs."""
     from parallax.sample import sample_from_workdir
     from parallax.train import train_and_evaluate
 
     def run(steps, workdir):
-        config = _config("fp8", tensor=2, fsdp=2, data=2)
+        config = _config("fp8", tensor=2, fsdp=2)
         config.model.dtype = "bfloat16"
         config.train.update(steps=steps, eval_every=2, checkpoint_every=2, log_every=1)
         config.optim.decay_steps = 4
