@@ -12,7 +12,7 @@
     python launch/bench.py --part=packs                                # context-parallel work: zigzag vs balanced
     python launch/bench.py --part=memory --cpu_devices=64              # docs/memory.md's table: XLA:CPU's peaks
     python launch/bench.py --part=split                                # the split backward's counted FLOPs
-    python launch/bench.py --part=quant --cpu_devices=1 --steps=800    # 8-bit vs bf16: eval loss (quickstart)
+    python launch/bench.py --part=quant --steps=800                    # 8-bit vs unquantized: eval loss (quickstart)
                                                                        # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -42,6 +42,7 @@ flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real d
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
                                   "diloco", "overlap", "packs", "memory", "split", "quant"],
                   "Which benchmark to run (all: mesh + pipeline).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "--part=quant: the compute dtype of every run.")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.", lower_bound=1e-6)
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
@@ -533,8 +534,9 @@ def bench_diloco(steps: int):
 
 
 def bench_quant(steps: int):
-    """8-bit training against bf16 at equal steps: configs/quickstart.py (byte-level Llama on the stdlib
-    corpus) in bf16 with each `quant.mode`, on one device; each run's final eval loss and its ratio to bf16's
+    """8-bit training against the unquantized run at equal steps: configs/quickstart.py (byte-level Llama on
+    the stdlib corpus, its mesh and its compute dtype: fp32; `--dtype=bfloat16` on hardware with bf16 units)
+    with each `quant.mode`; each run's final eval loss and its ratio to the unquantized one's
     (docs/quantization.md's convergence table)."""
     import tempfile
     import time
@@ -542,15 +544,14 @@ def bench_quant(steps: int):
     from parallax.defaults import load_config_file
     from parallax.train import train_and_evaluate
 
-    print(f"| quant.mode ({steps} steps, bf16 compute) | final eval loss | vs none | last train loss | time |\n"
+    print(f"| quant.mode ({steps} steps, {FLAGS.dtype} compute) | final eval loss | vs none | last train loss | "
+          "time |\n"
           "|---|---|---|---|---|", flush=True)
     base = None
     for mode in ("none", "int8", "fp8", "fp8_block"):
         config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                                                "quickstart.py"))
-        for axis in config.mesh:
-            config.mesh[axis] = 1
-        config.model.dtype = "bfloat16"
+        config.model.dtype = FLAGS.dtype
         config.quant.update(mode=mode, block=32)
         config.train.update(steps=steps, eval_every=steps, checkpoint_every=0, log_every=steps, eval_batches=8)
         start = time.perf_counter()

@@ -63,7 +63,7 @@ GPT2_CASES = [
     ("tensor=2,data=4-accumulate2", dict(microbatches=2), dict(tensor=2, data=4)),
     ("pipe=2,tensor=2,fsdp=2", {}, dict(pipe=2, tensor=2, fsdp=2)),
 ] + [(f"pipe=2,data=4-{s}", dict(schedule=s), dict(pipe=2, data=4))
-     for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")]
+     for s in ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")]  # gpipe: Llama's cases (CI time)
 
 
 @pytest.mark.slow

@@ -177,7 +177,7 @@ def test_vocab_parallel_head_matches_single_device(reference, schedule, mesh):
     assert_parity(loss_grads_and_steps(config, jax.devices(), 5), reference, TOL)
 
 
-@pytest.mark.parametrize("schedule", ["v_min", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["v_min"])  # dualpipev's (51 s) dropped for CI time: its pairs run in fp32 above
 def test_v_schedules_train_in_bf16_evaluate_and_resume(tmp_path, schedule):
     from helpers import bf16_train_eval_resume
     bf16_train_eval_resume(_config(schedule, pipe=2, data=4), tmp_path)

@@ -202,10 +202,12 @@ def test_int8_training_on_a_mesh_matches_int8_on_one_device(int8_reference, mesh
         assert max_leaf_rel_err(unquantized[1], int8_reference[1])[0] > 10 * GRAD_TOL
 
 
-@pytest.mark.parametrize("mode", ["fp8", "fp8_block"])
-def test_fp8_training_in_a_pipeline_with_tensor_and_fsdp_matches_one_device(mode):
+@pytest.mark.parametrize("mode,mesh", [("fp8", "1f1b-pipe2-tensor2-fsdp2"), ("fp8_block", "data2-fsdp4")])
+def test_fp8_training_on_a_mesh_matches_one_device(mode, mesh):
+    """fp8 in the manual region (its scales across ranks); fp8_block's tiles need no collective (its dot over
+    ranks is checked above), so the compiler's sharding stands for it here (CI time)."""
     ref = loss_grads_and_steps(_config(mode), jax.devices()[:1], steps=3)
-    _assert_close(loss_grads_and_steps(_config(mode, **MESHES["1f1b-pipe2-tensor2-fsdp2"]), jax.devices(), steps=3), ref)
+    _assert_close(loss_grads_and_steps(_config(mode, **MESHES[mesh]), jax.devices(), steps=3), ref)
 
 
 def test_int8_moe_over_expert_matches_one_device():
@@ -263,7 +265,7 @@ def test_fp8_in_bf16_resumes_bitwise_evaluates_and_samples_on_the_quantized_dots
         config.model.dtype = "bfloat16"
         config.train.update(steps=steps, eval_every=2, checkpoint_every=2, log_every=1)
         config.optim.decay_steps = 4
-        return train_and_evaluate(config, str(workdir), log=lambda *_: None)
+        return train_and_evaluate(config, str(workdir), devices=jax.devices()[:4], log=lambda *_: None)
     run(4, tmp_path / "straight")
     run(2, tmp_path / "resumed")
     second = run(4, tmp_path / "resumed")
