@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import llama
 from models.llama import rope
 from parallax import hf_mapping as hf
 from parallax.errors import ConfigError
@@ -271,28 +273,16 @@ class Gemma(Model):
         `lm_head.weight`, if it has one, is that same tensor and is not read), and the layer kinds, which
         config.json sets (`Constant`)."""
         cfg = cls.settings(m)
-        D, H, K, F, V, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_ff, cfg.vocab_size, cfg.head_dim
-        S = hf.Source
-        layer = "model.layers.{i}."
-        sources = {
-            "embedding": S("model.embed_tokens.weight", (V, D), (V, D)),
-            "blocks/attn_norm": S(layer + "input_layernorm.weight", (D,), (D,)),
-            "blocks/wq": S(layer + "self_attn.q_proj.weight", (H * Dh, D), (H, Dh, D), (2, 0, 1)),
-            "blocks/wk": S(layer + "self_attn.k_proj.weight", (K * Dh, D), (K, Dh, D), (2, 0, 1)),
-            "blocks/wv": S(layer + "self_attn.v_proj.weight", (K * Dh, D), (K, Dh, D), (2, 0, 1)),
-            "blocks/wo": S(layer + "self_attn.o_proj.weight", (D, H * Dh), (D, H, Dh), (1, 2, 0)),
+        D, S, layer = cfg.d_model, hf.Source, "model.layers.{i}."
+        shapes = types.SimpleNamespace(d_model=D, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, d_ff=cfg.d_ff,
+                                       vocab_size=cfg.vocab_size, head_dim=cfg.head_dim, tie_embeddings=True)
+        sources = llama.decoder_sources(shapes, qk_norm=cfg.qk_norm)  # Llama's tensor names, Gemma's norms below
+        sources.update({
             "blocks/post_attn_norm": S(layer + "post_attention_layernorm.weight", (D,), (D,)),
             "blocks/mlp_norm": S(layer + "pre_feedforward_layernorm.weight", (D,), (D,)),
-            "blocks/w_gate": S(layer + "mlp.gate_proj.weight", (F, D), (F, D), (1, 0)),
-            "blocks/w_up": S(layer + "mlp.up_proj.weight", (F, D), (F, D), (1, 0)),
-            "blocks/w_down": S(layer + "mlp.down_proj.weight", (D, F), (D, F), (1, 0)),
             "blocks/post_mlp_norm": S(layer + "post_feedforward_layernorm.weight", (D,), (D,)),
             "blocks/local": hf.Constant(tuple(float(k) for k in local_layers(cfg))),
-            "final_norm": S("model.norm.weight", (D,), (D,)),
-        }
-        if cfg.qk_norm:
-            sources["blocks/q_norm"] = S(layer + "self_attn.q_norm.weight", (Dh,), (Dh,))
-            sources["blocks/k_norm"] = S(layer + "self_attn.k_norm.weight", (Dh,), (Dh,))
+        })
         return sources
 
     def __init__(self, config, rngs: nnx.Rngs):
