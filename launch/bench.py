@@ -13,6 +13,7 @@
     python launch/bench.py --part=memory --cpu_devices=64              # docs/memory.md's table: XLA:CPU's peaks
     python launch/bench.py --part=split                                # the split backward's counted FLOPs
     python launch/bench.py --part=quant --steps=800                    # 8-bit vs unquantized: eval loss (quickstart)
+    python launch/bench.py --part=quant --quant_model=bpe --steps=400  # the same, 8 x 256 Llama on a BPE corpus
                                                                        # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -43,6 +44,11 @@ flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", 
                                   "diloco", "overlap", "packs", "memory", "split", "quant"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "--part=quant: the compute dtype of every run.")
+flags.DEFINE_enum("quant_model", "quickstart", ["quickstart", "bpe"],
+                  "--part=quant: the quickstart (byte-level, 4 x 128), or a larger Llama (8 layers, d_model 256) on a "
+                  "BPE of 4,096 ids trained on the standard library's sources.")
+flags.DEFINE_string("modes", "none,int8,fp8,fp8_block", "--part=quant: the quant.mode values to run, the first the "
+                    "baseline.")
 flags.DEFINE_bool("smoke", False, "--part=device: tiny models and 2 steps (checks the script on CPU).")
 flags.DEFINE_float("data_gb", 1.0, "--part=data: gigabytes of generated jsonl to prepare.", lower_bound=1e-6)
 flags.DEFINE_string("data_dir", "/tmp/parallax_bench_data", "--part=data: scratch directory (several GB).")
@@ -534,32 +540,49 @@ def bench_diloco(steps: int):
 
 
 def bench_quant(steps: int):
-    """8-bit training against the unquantized run at equal steps: configs/quickstart.py (byte-level Llama on
-    the stdlib corpus, its mesh and its compute dtype: fp32; `--dtype=bfloat16` on hardware with bf16 units)
-    with each `quant.mode`; each run's final eval loss and its ratio to the unquantized one's
-    (docs/quantization.md's convergence table)."""
+    """8-bit training against the unquantized run at equal steps, each run's final eval loss and its ratio to
+    the first mode's (docs/quantization.md's convergence tables). `--quant_model=quickstart`: configs/quickstart.py
+    (byte-level Llama on the stdlib corpus, its mesh); `bpe`: 8 layers x d_model 256 (8.9M parameters) on a
+    BPE of 4,096 ids trained on the standard library's modules, shards prepared once (data.md's recipe).
+    `--dtype`: the compute dtype (bf16 is emulated on a CPU: the same roundings, not the speed)."""
+    import glob
     import tempfile
     import time
 
     from parallax.defaults import load_config_file
     from parallax.train import train_and_evaluate
 
-    print(f"| quant.mode ({steps} steps, {FLAGS.dtype} compute) | final eval loss | vs none | last train loss | "
-          "time |\n"
-          "|---|---|---|---|---|", flush=True)
-    base = None
-    for mode in ("none", "int8", "fp8", "fp8_block"):
-        config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                                               "quickstart.py"))
-        config.model.dtype = FLAGS.dtype
-        config.quant.update(mode=mode, block=32)
-        config.train.update(steps=steps, eval_every=steps, checkpoint_every=0, log_every=steps, eval_batches=8)
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as workdir:
-            result = train_and_evaluate(config, workdir, log=lambda *_: None)
-        base = result.eval_loss if base is None else base
-        print(f"| {mode} | {result.eval_loss:.4f} | {100 * (result.eval_loss / base - 1):+.2f}% | "
-              f"{result.history[-1]['loss']:.4f} | {time.perf_counter() - start:.0f} s |", flush=True)
+    modes = FLAGS.modes.split(",")
+    print(f"| quant.mode ({FLAGS.quant_model}, {steps} steps, {FLAGS.dtype} compute) | final eval loss | "
+          f"vs {modes[0]} | last train loss | time |\n|---|---|---|---|---|", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        shards = ""
+        if FLAGS.quant_model == "bpe":
+            from parallax.prepare import iter_texts, prepare
+            from parallax.tokenizer import train_bpe
+            stdlib = os.path.dirname(os.__file__)
+            inputs = [f"lib={stdlib}/*.py", f"email={stdlib}/email/*.py"]
+            train_bpe(iter_texts([f"{stdlib}/*.py"], "text", 0), 4096, os.path.join(scratch, "bpe"),
+                      show_progress=False)
+            shards = os.path.join(scratch, "shards")
+            prepare(inputs, shards, os.path.join(scratch, "bpe"), progress=False, log=lambda *_: None)
+            assert glob.glob(os.path.join(shards, "*"))
+        base = None
+        for mode in modes:
+            config = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                                   "quickstart.py"))
+            if shards:
+                config.model.update(num_layers=8, d_model=256, num_heads=8, num_kv_heads=4, d_ff=768, vocab_size=0)
+                config.data.update(source="tokens", path=shards, mixture="lib=0.8,email=0.2")
+            config.model.dtype = FLAGS.dtype
+            config.quant.update(mode=mode, block=32)
+            config.train.update(steps=steps, eval_every=steps, checkpoint_every=0, log_every=steps, eval_batches=8)
+            start = time.perf_counter()
+            with tempfile.TemporaryDirectory() as workdir:
+                result = train_and_evaluate(config, workdir, log=lambda *_: None)
+            base = result.eval_loss if base is None else base
+            print(f"| {mode} | {result.eval_loss:.4f} | {100 * (result.eval_loss / base - 1):+.2f}% | "
+                  f"{result.history[-1]['loss']:.4f} | {time.perf_counter() - start:.0f} s |", flush=True)
 
 
 # The TPU compiler turns all-to-alls into async start / done pairs only with this flag (MaxText sets it for MoE).

@@ -107,6 +107,9 @@ def main(argv, overrides):
         print(f"\nkernels: {report.kernel_calls} tpu_custom_call (Pallas / Mosaic) in the compiled step")
     moved = ", ".join(f"{t} {b / 2**20:,.3f} MiB" for t, b in report.gathered) or "none"
     print(f"\nall-gathers in the compiled step, by element type (each instruction once, a loop body once): {moved}")
+    from parallax.cost import describe
+
+    print("\n".join(describe(report.costs)))
     if config.quant.mode != "none":
         print(f"quant: {config.quant.mode} (the layers' projections on 8-bit operands; FSDP weight gathers "
               f"{'in 8 bits' if config.quant.gather else 'in the compute dtype'})")

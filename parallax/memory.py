@@ -35,7 +35,7 @@ import re
 
 import jax
 
-from parallax import hlo
+from parallax import cost, hlo
 from parallax.errors import ConfigError
 from parallax.steps.pipeline import rank_balance
 from parallax.plan import abstract_batch, make_plan
@@ -90,6 +90,7 @@ class MemoryReport:
     host_arguments: int = 0  # XLA: inputs in host memory (optim.offload_state: the optimizer state), not in peak
     xla_peak: int = 0  # XLA:TPU's own peak (`peak_memory_in_bytes`, arguments included); 0 where not reported
     gathered: tuple = ()  # ((element type, bytes), ...) the compiled step's all-gathers produce (each counted once)
+    costs: object = None  # parallax.cost.StepCosts of the compiled step: FLOPs, bytes, collectives by mesh axes
 
     @property
     def bound(self) -> int:
@@ -202,6 +203,7 @@ def memory_report(config, devices=None) -> MemoryReport:
         host_arguments=getattr(memory, "host_argument_size_in_bytes", 0) or 0,
         xla_peak=_xla_peak(memory, trainer.plan.platform),
         gathered=tuple(sorted(hlo.collective_bytes(text, "all-gather").items())),
+        costs=cost.step_costs(text, dict(trainer.mesh.shape)),
         ranks=tuple(rank_balance(trainer.plan)) if trainer.plan.schedule is not None else ())
 
 

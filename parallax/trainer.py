@@ -141,10 +141,35 @@ class Trainer:
             self._steps_by_kind[kind] = self._jit_step(kind)
         return self._steps_by_kind[kind]
 
-    def _train_step(self, state, batch, kind=None):
+    def _train_step(self, state, batch, kind=None, update=None):
         if self.state_shardings["opt_state"] is not self._opt_on_device:  # optim.offload_state
             state = {**state, "opt_state": jax.device_put(state["opt_state"], self._opt_on_device)}
-        return self.path.train_step(self.update, state, batch, kind)
+        return self.path.train_step(update or self.update, state, batch, kind)
+
+    def train_step_with_grads(self):
+        """`train_step` that also returns the mean loss and the gradients the optimizer applied:
+        `(state, metrics, loss, grads)`. One program to check a step's loss and every gradient leaf and then
+        its training steps (the parity tests: a second program for `loss_and_grads` would cost a second
+        trace and compile), or to inspect a step's gradients. Paths whose step is the batch's gradient at the
+        current weights only (not 2bw's delayed step, not DiLoCo's)."""
+        from parallax.steps.base import StepPath
+
+        if type(self.path).train_step is not StepPath.train_step:
+            raise ValueError(f"{type(self.path).__name__}: its step applies other gradients than the batch's "
+                             "at the current weights; use loss_and_grads")
+
+        def step(state, batch):
+            seen = {}
+
+            def update(state, batch, loss, grads, aux, completed=True):
+                seen.update(loss=loss, grads=grads)
+                return self.update(state, batch, loss, grads, aux, completed)
+            state, metrics = self._train_step(state, batch, update=update)
+            return state, metrics, seen["loss"], seen["grads"]
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(step, donate_argnums=0, in_shardings=(self.state_shardings, self.batch_shardings),
+                       out_shardings=(self.state_shardings, self.path.metrics_sharding(), replicated,
+                                      self.param_shardings))
 
     def update(self, state, batch, loss, grads, aux, completed=True):
         """The step after applying `grads` (of `batch`, mean `loss`) with the optimizer: (state of

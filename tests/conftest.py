@@ -18,8 +18,8 @@ if os.environ.get("PARALLAX_TEST_XLA_DEFAULTS", "0") != "1":
     jaxlib = tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
     if jaxlib < (0, 11):  # unknown to jaxlib 0.12 (an unknown XLA flag aborts the process)
         _flags.append("--xla_cpu_use_fusion_emitters=false")
-# Subprocesses the tests start (launch/*.py) inherit these through the environment; the multi-process tests
-# drop XLA_FLAGS and set their own device counts (they run with XLA's default code generation).
+# Subprocesses the tests start (launch/*.py) inherit these through the environment; the multi-process ones
+# set their own device counts (`--cpu_devices` replaces the count here and keeps the code generation flags).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_flags]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU-compiler tests (Python 3.12 leg: libtpu, compile-only topology devices) run in two xdist workers and

@@ -89,17 +89,20 @@ def assert_parity(got, ref, tol=1e-5):
 
 
 def loss_grads_and_steps(config, devices, steps=5):
-    """(loss, grads) of the first batch, then the losses of `steps` training steps, on `devices`."""
+    """(loss, grads) of the first batch, then the losses of `steps` training steps, on `devices`. The loss and
+    gradients are the ones the first train step applies (`Trainer.train_step_with_grads`: one program traced
+    and compiled, not a second one for `loss_and_grads`; its other outputs are the train step's own)."""
     trainer = Trainer(config, devices=devices)
     data = make_dataset(config)
     state = trainer.init_state()
     assert int(data.batch(0)["segment_ids"].max()) >= 2, "parity tests want several packed documents per row"
-    loss, grads = jax.device_get(trainer.loss_and_grads(state["params"], trainer.device_batch(data.batch(0))))
-    losses = []
+    step_fn, losses = trainer.train_step_with_grads(), []
     for step in range(steps):
-        state, metrics = trainer.train_step(state, trainer.device_batch(data.batch(step)))
+        state, metrics, loss, grads = step_fn(state, trainer.device_batch(data.batch(step)))
+        if step == 0:
+            first = jax.device_get((loss, grads))
         losses.append(float(metrics["loss"]))
-    return float(loss), grads, losses
+    return float(first[0]), first[1], losses
 
 
 def bf16_train_eval_resume(config, workdir):

@@ -54,8 +54,12 @@ def _gpt2(schedule="1f1b", attention="dense", microbatches=1, **mesh):
     return config
 
 
+# GPT-2's own paths (learned positions, the tied head, biases, LayerNorm) on each kind of layout: the compiler's
+# sharding (fsdp), the manual region (tensor, seq, accumulation), a pipeline with tensor / fsdp inside its
+# stages (1F1B), and the split backward on a pipeline (zb_h1) and with the V placement that puts the tied
+# table's two uses on one rank (zbv). Plain data parallelism, 1F1B over data and the interleaved schedule
+# run in Llama's cases (dropped here for CI time, 2026-12-07).
 GPT2_CASES = [
-    ("data=8", {}, dict(data=8)),
     ("fsdp=8", {}, dict(fsdp=8)),
     ("tensor=2,fsdp=4", {}, dict(tensor=2, fsdp=4)),
     ("seq=2,data=4-ulysses", dict(attention="ulysses"), dict(seq=2, data=4)),
@@ -63,7 +67,7 @@ GPT2_CASES = [
     ("tensor=2,data=4-accumulate2", dict(microbatches=2), dict(tensor=2, data=4)),
     ("pipe=2,tensor=2,fsdp=2", {}, dict(pipe=2, tensor=2, fsdp=2)),
 ] + [(f"pipe=2,data=4-{s}", dict(schedule=s), dict(pipe=2, data=4))
-     for s in ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")]  # gpipe: Llama's cases (CI time)
+     for s in ("zb_h1", "zbv")]
 
 
 @pytest.mark.slow

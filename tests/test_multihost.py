@@ -196,7 +196,7 @@ def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(layo
     script = [os.path.join(ROOT, "launch/local_cluster.sh"), "2", *ARGS, f"--workdir={workdir}",
               *[f"--config.mesh.{k}={v}" for k, v in mesh.items()],
               *[f"--config.diloco.{k}={v}" for k, v in diloco.items()]]
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable}  # --cpu_devices replaces XLA_FLAGS' device count
     cluster = subprocess.Popen(script + ["--config.train.steps=1000"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:

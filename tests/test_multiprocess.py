@@ -44,7 +44,7 @@ STEPS = 4
 
 def _start(workdir, overrides, steps):
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # --cpu_devices replaces the device count of XLA_FLAGS; the codegen flags stay
     return [subprocess.Popen(
         launcher_command("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=4",
                          f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}", *overrides,

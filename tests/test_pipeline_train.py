@@ -34,7 +34,8 @@ def reference():
 # zbv, v_half, v_min). 1f1b at pipe 2 runs in the vocab-parallel, tensor / seq and MoE cases.
 # gpipe: the executor's own parity tests (tests/test_pipeline_executor.py) and its end-to-end runs.
 CASES = [(s, p) for s in ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "v_half", "v_min") for p in (2, 4)
-         if p == 4 or s in ("zbv", "v_half", "v_min")]
+         if p == 4 or s in ("zbv", "v_min")]  # v_half at pipe 2 dropped (CI time, 2026-12-07): its table at pipe
+# 4 and the V placement at pipe 2 (zbv, v_min) run
 
 
 @pytest.mark.slow
@@ -100,13 +101,13 @@ def test_offloaded_layer_inputs_are_host_memory_in_the_pipelined_step(stage_rema
 
 
 # Tensor / sequence parallelism inside the stages: (schedule, mesh, attention, training steps checked).
+# (Dropped for CI time, 2026-12-07: tensor x data, whose tensor path the fsdp x tensor cases run, and allgather
+# over seq 4, whose gather the seq x tensor case runs.)
 MODEL_PARALLEL_CASES = [
-    ("1f1b", dict(data=2, tensor=2), "dense", 5),
     ("zbv", dict(data=2, seq=2), "ulysses", 5),
     ("1f1b", dict(tensor=2, seq=2), "ulysses", 5),
     ("1f1b", dict(fsdp=2, tensor=2), "dense", 5),
     ("dualpipev", dict(fsdp=2, tensor=2), "dense", 5),
-    ("1f1b", dict(seq=4), "allgather", 5),  # 2 kv heads on 4 seq ranks: no head is split
     ("1f1b", dict(seq=2, tensor=2), "allgather", 5),
     ("1f1b", dict(seq=2, data=2), "ring", 5),  # k|v shifted by all-to-alls within a stage (grouped_shift)
     ("zbv", dict(seq=2, tensor=2, zero_seq=True), "ring", 5),  # rules embed -> (fsdp, seq): weights over seq too

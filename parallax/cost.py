@@ -1,0 +1,302 @@
+"""What one compiled step costs a device, counted from its optimized HLO with every loop's trip count.
+
+`compiled.cost_analysis()` is XLA's own count, but it visits a `while` body once, and parallax scans its layers
+(and the pipeline executor loops over ticks), so it undercounts a step by about the number of layers. This
+walks the program instead: each computation's own cost, plus each computation it calls times how often:
+a `while` body `known_trip_count` times (XLA's annotation of a counted loop; a loop without one counts once and
+is reported in `unknown_loops`), a fusion's or call's computation once per call. Of a `conditional` (the
+pipeline executor's switch over a tick's actions) it counts the costliest branch, an upper bound for one
+execution; `branches` lists them all for a caller that knows how often each runs.
+
+Counted per device (SPMD programs are per device):
+- `flops`: the matmuls' (`dot`: 2 x output elements x contracted size; `convolution`, what TPU makes of a dot:
+  2 x output elements x kernel elements per output feature), the figure MFU is quoted in. Elementwise work is
+  not counted; custom calls (Pallas kernels, cuBLAS) are counted in `custom_calls`, not in FLOPs.
+- `bytes`: what the program's top-level instructions (fusions, dots, copies, collectives; not a fusion's
+  inside, which stays in registers / VMEM) read and write: each operand and result once, a dynamic slice or
+  update of a buffer as the slice, not the buffer (a scanned layer reads its own weights, not the stack).
+  The memory-traffic estimate: the compiler may keep small operands on chip, so it is an upper bound.
+- `collectives`: per (kind, mesh axes) the count, the bytes of their results and the bytes one device sends
+  on a ring (`parallax.hlo.collective_traffic`'s rule); the axes are read from the device groups with the
+  mesh's shape (device ids are positions in the mesh's device order).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+
+from parallax import hlo
+
+_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*")
+_OPCODE = re.compile(r"(?P<op>[a-z][a-z0-9_-]*)\(")
+_OPERAND = re.compile(r"%([^\s,()]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=([a-z0-9]+)_([a-z0-9]+)->([a-z0-9]+)")
+_PARAM_INDEX = re.compile(r"parameter\(([0-9]+)\)")
+
+# Instructions that move no data of their own: views, tuples, control flow (its computations are counted).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "iota",
+         "async-done", "all-gather-done", "all-reduce-done", "collective-permute-done", "copy-done",
+         "send-done", "recv-done"}
+_SLICES = {"dynamic-slice", "slice"}
+
+
+@dataclasses.dataclass
+class _Instruction:
+    name: str
+    op: str
+    arrays: list  # [(dtype, shape)] of its result (a tuple: each element)
+    operands: list  # operand names
+    line: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_size(a) for a in self.arrays)
+
+
+def _size(array) -> int:
+    dtype, shape = array
+    return math.prod(shape) * hlo._BYTES.get(dtype, 4)
+
+
+def _split(text: str, open_: str, close: str) -> int:
+    """The index just past the bracket closing the one `text` starts with."""
+    depth = 0
+    for i, c in enumerate(text):
+        depth += c == open_
+        depth -= c == close
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _parse(line: str) -> _Instruction | None:
+    head = _HEAD.match(line)
+    if head is None:
+        return None
+    rest = line[head.end():]
+    end = _split(rest, "(", ")") if rest.startswith("(") else rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    opcode = _OPCODE.match(rest)
+    if opcode is None:
+        return None
+    args_end = opcode.end() - 1 + _split(rest[opcode.end() - 1:], "(", ")")
+    arrays = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in hlo._TYPED_ARRAY.findall(shape)]
+    return _Instruction(head["name"], opcode["op"], arrays, _OPERAND.findall(rest[opcode.end():args_end - 1]),
+                        line)
+
+
+@dataclasses.dataclass
+class StepCosts:
+    flops: float = 0.0
+    bytes: float = 0.0
+    collectives: dict = dataclasses.field(default_factory=dict)  # (op, axes) -> {count, bytes, sent}
+    custom_calls: int = 0
+    unknown_loops: int = 0
+    branches: list = dataclasses.field(default_factory=list)  # per conditional: each branch's StepCosts
+
+    def add(self, other: StepCosts, times: float = 1) -> None:
+        self.flops += times * other.flops
+        self.bytes += times * other.bytes
+        self.custom_calls += times * other.custom_calls
+        self.unknown_loops += other.unknown_loops
+        for key, c in other.collectives.items():
+            mine = self.collectives.setdefault(key, {"count": 0, "bytes": 0.0, "sent": 0.0})
+            for k in mine:
+                mine[k] += times * c[k]
+        self.branches += other.branches
+
+    def by_kind(self, field: str = "sent") -> dict[str, float]:
+        """{collective kind: bytes} (`sent`: what one device sends; `bytes`: the results' size)."""
+        out: dict[str, float] = {}
+        for (op, _), c in self.collectives.items():
+            out[op] = out.get(op, 0.0) + c[field]
+        return out
+
+    def by_axes(self, field: str = "sent") -> dict[tuple[str, ...], float]:
+        """{mesh axes a collective runs over: bytes}."""
+        out: dict[tuple[str, ...], float] = {}
+        for (_, axes), c in self.collectives.items():
+            out[axes] = out.get(axes, 0.0) + c[field]
+        return out
+
+
+def _axes(groups, mesh_shape: dict[str, int] | None) -> tuple[str, ...]:
+    """The mesh axes along which the devices of `groups` differ (`mesh_shape`: {axis: size} in mesh order)."""
+    if not mesh_shape:
+        return ("devices",) if max(len(g) for g in groups) > 1 else ()
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    varying = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.asarray(group), sizes)).T  # [devices, axes]
+        varying |= {names[k] for k in range(len(names)) if len(set(coords[:, k])) > 1}
+    return tuple(n for n in names if n in varying)
+
+
+class _Program:
+    def __init__(self, text: str, mesh_shape: dict[str, int] | None, num_devices: int):
+        self.mesh_shape, self.num_devices = mesh_shape, num_devices
+        self.comps = {name: [i for i in map(_parse, lines) if i is not None]
+                      for name, lines in hlo._computations(text).items()}
+        self.entry = next(m["name"] for line in text.splitlines()
+                          for m in [hlo._COMPUTATION.match(line)] if m and line.startswith("ENTRY"))
+        self.memo: dict[str, StepCosts] = {}
+
+    def costs(self, name: str) -> StepCosts:
+        if name not in self.memo:
+            self.memo[name] = self._costs(name)
+        return self.memo[name]
+
+    def _costs(self, name: str) -> StepCosts:
+        out = StepCosts()
+        symbols = {i.name: i for i in self.comps.get(name, [])}
+        for ins in self.comps.get(name, []):
+            out.flops += self._flops(ins, symbols)
+            out.custom_calls += ins.op == "custom-call"
+            self._collective(ins, out)
+            if ins.op == "while":
+                trip = _TRIP.search(ins.line)
+                out.unknown_loops += trip is None
+                for callee in hlo._called(ins.line):
+                    out.add(self.costs(callee), int(trip[1]) if trip else 1)
+            elif ins.op == "conditional":
+                branches = [self.costs(c) for c in hlo._called(ins.line)]
+                if branches:
+                    out.add(max(branches, key=lambda b: (b.flops, b.bytes)))
+                    out.branches.append(branches)
+            elif ins.op == "fusion":
+                for callee in hlo._called(ins.line):  # its matmuls and custom calls; its bytes are the fusion's
+                    inner = self.costs(callee)
+                    out.flops += inner.flops
+                    out.custom_calls += inner.custom_calls
+                out.bytes += self._fusion_bytes(ins, symbols)
+            else:
+                for callee in hlo._called(ins.line):  # call, async wrappers; not reductions' to_apply
+                    if ins.op in ("call", "async-start") or ins.op.endswith("-start") and "calls=" in ins.line:
+                        out.add(self.costs(callee))
+            if ins.op not in _FREE and ins.op != "fusion":
+                out.bytes += self._bytes(ins, symbols)
+        return out
+
+    @staticmethod
+    def _flops(ins: _Instruction, symbols) -> float:
+        if ins.op == "dot":
+            lhs = symbols.get(ins.operands[0]) if ins.operands else None
+            dims = _CONTRACT.search(ins.line)
+            if lhs is None or dims is None:
+                return 0.0
+            shape = lhs.arrays[0][1]
+            return 2.0 * math.prod(ins.arrays[0][1]) * math.prod(shape[int(d)] for d in dims[1].split(",") if d)
+        if ins.op == "convolution":
+            rhs = symbols.get(ins.operands[1]) if len(ins.operands) > 1 else None
+            labels = _DIM_LABELS.search(ins.line)
+            if rhs is None or labels is None:
+                return 0.0
+            kernel = rhs.arrays[0][1]
+            return 2.0 * math.prod(ins.arrays[0][1]) * math.prod(kernel) / kernel[labels[2].index("o")]
+        return 0.0
+
+    @staticmethod
+    def _operand_bytes(ins: _Instruction, symbols) -> int:
+        return sum(symbols[o].nbytes for o in ins.operands if o in symbols)
+
+    def _bytes(self, ins: _Instruction, symbols) -> float:
+        if ins.op in _SLICES:  # reads the slice
+            return 2 * ins.nbytes
+        if ins.op == "dynamic-update-slice":  # in place: reads and writes the update
+            update = symbols.get(ins.operands[1]) if len(ins.operands) > 1 else None
+            return 2 * (update.nbytes if update else ins.nbytes)
+        start = ins.op.endswith("-start")
+        result = ins.arrays[-1:] if start and ins.arrays else ins.arrays
+        return self._operand_bytes(ins, symbols) + sum(_size(a) for a in result)
+
+    def _fusion_bytes(self, ins: _Instruction, symbols) -> float:
+        """A fusion reads each operand once, but of a parameter its fused computation only slices (or updates
+        in place) just the slice; it writes its result, or of an in-place update just the update."""
+        callee = next(iter(hlo._called(ins.line)), None)
+        inner = self.comps.get(callee, [])
+        params = {i.name: int(_PARAM_INDEX.search(i.line)[1]) for i in inner if i.op == "parameter"}
+        uses: dict[str, list[_Instruction]] = {}
+        for i in inner:
+            for k, o in enumerate(i.operands):
+                uses.setdefault(o, []).append((i, k))
+        inner_symbols = {i.name: i for i in inner}
+        read = 0.0
+        for pname, index in params.items():
+            if index >= len(ins.operands) or ins.operands[index] not in symbols:
+                continue
+            full = symbols[ins.operands[index]].nbytes
+            users = uses.get(pname, [])
+            if users and all(k == 0 and u.op in (*_SLICES, "dynamic-update-slice") for u, k in users):
+                read += sum(u.nbytes if u.op in _SLICES else 0 for u, k in users)
+            else:
+                read += full
+        root = inner[-1] if inner else None
+        while root is not None and root.op == "bitcast" and root.operands and root.operands[0] in inner_symbols:
+            root = inner_symbols[root.operands[0]]
+        if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
+            update = inner_symbols.get(root.operands[1])
+            written = update.nbytes if update else ins.nbytes
+        else:
+            written = ins.nbytes
+        return read + written
+
+    def _collective(self, ins: _Instruction, out: StepCosts) -> None:
+        match = hlo._INSTRUCTION.search(ins.line.split("\n")[0])
+        if match is None:
+            return
+        op = match["op"]
+        arrays = ins.arrays[-1:] if match["start"] and ins.arrays else ins.arrays
+        size = sum(_size(a) for a in arrays)
+        groups = hlo._groups(ins.line, self.num_devices)
+        g = max(len(x) for x in groups)
+        sent = {"all-reduce": 2 * (g - 1) / g * size, "all-gather": (g - 1) / g * size,
+                "all-to-all": (g - 1) / g * size, "reduce-scatter": (g - 1) * size}.get(op, size) if g > 1 else 0.0
+        key = (op, _axes(groups, self.mesh_shape))
+        mine = out.collectives.setdefault(key, {"count": 0, "bytes": 0.0, "sent": 0.0})
+        mine["count"] += 1
+        mine["bytes"] += size
+        mine["sent"] += sent
+
+
+def step_costs(compiled_or_hlo_text, mesh_shape: dict[str, int] | None = None,
+               num_devices: int | None = None) -> StepCosts:
+    """The per-device costs of one execution of a compiled program (see the module's docstring).
+    `mesh_shape`: {axis: size} of the mesh it was compiled for, in mesh order (e.g. `dict(mesh.shape)`), to
+    name the axes each collective crosses; `num_devices` defaults to its product."""
+    text = hlo._text(compiled_or_hlo_text)
+    n = num_devices or (math.prod(mesh_shape.values()) if mesh_shape else 1)
+    program = _Program(text, mesh_shape, n)
+    return program.costs(program.entry)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def describe(costs: StepCosts) -> list[str]:
+    """Lines for a report: FLOPs and bytes per device, then the collectives by kind and mesh axes."""
+    lines = [f"per device and step (the optimized HLO counted with its loops' trip counts): {costs.flops:.4g} FLOP "
+             f"in matmuls, {_bytes(costs.bytes)} read + written"
+             + (f", {costs.custom_calls:g} custom calls (not in the FLOPs)" if costs.custom_calls else "")
+             + (f", {costs.unknown_loops} loops of unknown trip count (counted once)" if costs.unknown_loops else "")]
+    for (op, axes), c in sorted(costs.collectives.items(), key=lambda kv: -kv[1]["sent"]):
+        lines.append(f"  {op} over {','.join(axes) or 'one device'}: {c['count']:g} x, {_bytes(c['bytes'])} of "
+                     f"results, {_bytes(c['sent'])} sent by each device")
+    return lines
+
+
+def to_json(costs: StepCosts) -> str:
+    return json.dumps({"flops": costs.flops, "bytes": costs.bytes, "custom_calls": costs.custom_calls,
+                       "unknown_loops": costs.unknown_loops,
+                       "collectives": [{"op": op, "axes": list(axes), **c}
+                                       for (op, axes), c in sorted(costs.collectives.items())]})
