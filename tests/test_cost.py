@@ -94,3 +94,27 @@ def test_a_conditional_counts_its_costliest_branch_and_lists_each(args):
     counted = cost.step_costs(jax.jit(fn).lower(True, ws[0], x).compile())
     assert counted.flops == 3 * 2 * M * K * K
     assert sorted(b.flops for b in counted.branches[0]) == [2 * M * K * K, 3 * 2 * M * K * K]
+
+
+def test_a_llama_train_step_counts_six_flops_per_parameter_and_token_plus_attention():
+    """configs/tiny.py's Llama on one device, attention by the reference (whole [T, T] scores), no remat: the
+    compiled train step's matmul FLOPs are 6 per token and multiplied parameter (forward 2, the input's and
+    the weight's gradients 2 each; the lookup table multiplies nothing), plus attention's scores and values
+    (2 matmuls of 2 B H T^2 hd forward, 4 backward), counted by hand from the config; the chunked loss
+    (`model.loss_chunk`) recomputes the head's forward in its backward: one more 2 x tokens x d x V."""
+    from helpers import tiny_config
+    from parallax.memory import compile_step
+
+    config = tiny_config()
+    config.model.update(attention_block=0, remat="none")
+    m, t = config.model, config.train
+    hd, kv = m.d_model // m.num_heads, m.num_kv_heads * (m.d_model // m.num_heads)
+    per_layer = m.d_model * (2 * m.d_model + 2 * kv) + 3 * m.d_model * m.d_ff
+    multiplied = m.num_layers * per_layer + m.d_model * m.vocab_size  # + the head
+    tokens = t.global_batch_size * t.seq_len
+    attention = m.num_layers * 6 * 2 * t.global_batch_size * m.num_heads * t.seq_len ** 2 * hd
+    head = 2 * tokens * m.d_model * m.vocab_size
+    for chunk in (0, m.loss_chunk):
+        config.model.loss_chunk = chunk
+        _, compiled = compile_step(config, jax.devices()[:1])
+        assert cost.step_costs(compiled).flops == 6 * tokens * multiplied + attention + (head if chunk else 0)

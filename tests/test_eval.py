@@ -39,9 +39,15 @@ def references(tmp_path_factory):
     return get
 
 
+# Every layout with Llama; GPT-2 (its own loss: the tied head, learned positions) on the pipeline with tensor
+# inside and on tensor x seq (the other two pipelines' eval paths do not depend on the model: dropped for CI
+# time, 2026-12-07).
+CASES = [(m, layout) for m in ("llama", "gpt2") for k, layout in enumerate(LAYOUTS) if m == "llama" or k in (0, 3)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("model,layout", CASES,
+                         ids=[f"{m}-" + ",".join(f"{k}={v}" for k, v in l.items()) for m, l in CASES])
 def test_eval_on_every_layout_matches_single_device(references, tmp_path, model, layout):
     got = _run(model, tmp_path, jax.devices(), **layout)
     ref = references(model)

@@ -632,13 +632,13 @@ def test_sequence_parallel_drops_and_balances_as_one_device(capacity_reference, 
     assert_parity(loss_grads_and_steps(config, jax.devices(), steps=2), capacity_reference, TOL)
 
 
+# (expert x tensor x fsdp in bf16 dropped for CI time, 2026-12-07: expert x tensor runs in the pipeline case,
+# FSDP in the ragged one, and that layout in fp32 in test_expert_parallel_matches_single_device)
 @pytest.mark.parametrize("mesh,moe,model", [
-    (dict(data=1, expert=2, tensor=2, fsdp=2), {}, {}),
     pytest.param(dict(data=1, pipe=2, expert=2, tensor=2), {}, {}, marks=pytest.mark.slow),
     (dict(data=4, fsdp=2), dict(dispatch="ragged", ff_chunks=2), {}),
     (dict(data=2, expert=2, seq=2), dict(capacity_factor=0.5), dict(attention="ring")),
-], ids=["expert=2,tensor=2,fsdp=2", "pipe=2,expert=2,tensor=2", "data=4,fsdp=2-ragged-ff_chunks",
-        "expert=2,seq=2,data=2-ring"])
+], ids=["pipe=2,expert=2,tensor=2", "data=4,fsdp=2-ragged-ff_chunks", "expert=2,seq=2,data=2-ring"])
 def test_expert_parallel_bf16_trains_evaluates_checkpoints_and_resumes(tmp_path, mesh, moe, model):
     """EP in bf16, end to end: eval and checkpoint at step 2, a rerun resumes to 4; dropless dispatch
     per batch shard with the expert width in slices; rows split over `seq` with drops."""
