@@ -38,6 +38,16 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([a-z0-9]+)_([a-z0-9]+)->([a-z0-9]+)")
 _PARAM_INDEX = re.compile(r"parameter\(([0-9]+)\)")
+_COND = re.compile(r"condition=%([^\s,)}]+)")
+_DIRECTION = re.compile(r"direction=([A-Z]+)")
+_INDEX = re.compile(r"\sindex=([0-9]+)")
+_CONSTANT = re.compile(r"\sconstant\((-?[0-9]+)\)")
+
+
+def _constant(ins) -> int | None:
+    """The value of an integer scalar `constant` instruction (None for anything else)."""
+    match = _CONSTANT.search(ins.line)
+    return int(match[1]) if match and ins.arrays and ins.arrays[0][1] == () else None
 
 # Instructions that move no data of their own: views, tuples, control flow (its computations are counted).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -139,6 +149,41 @@ def _axes(groups, mesh_shape: dict[str, int] | None) -> tuple[str, ...]:
     return tuple(n for n in names if n in varying)
 
 
+def _window(line: str, spatial: int) -> list[dict]:
+    """Per spatial dimension of a convolution: size, stride, padding, dilations (HLO's `window={...}`)."""
+    dims = [dict(size=1, stride=1, lo=0, hi=0, lhs_dilate=1, rhs_dilate=1) for _ in range(spatial)]
+    match = re.search(r"window=\{([^}]*)\}", line)
+    for field in (match[1].split() if match else []):
+        key, _, value = field.partition("=")
+        for d, part in enumerate(value.split("x")[:spatial]):
+            if key == "pad":
+                lo, hi = part.split("_")
+                dims[d].update(lo=int(lo), hi=int(hi))
+            elif key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
+                dims[d][key] = int(part)
+    return dims
+
+
+def _conv_flops(line, labels, lhs, rhs, out) -> float:
+    """2 x output batch x output features x input features (per group) x, per spatial dimension, the
+    (output position, window tap) pairs that land on a real input element: the TPU compiler writes dots as
+    convolutions whose padded windows mostly hit padding (an output dimension of the kernel becomes a window
+    sliding over a size-1 input), so counting every tap would overcount them by the window's size."""
+    lhs_l, rhs_l, out_l = labels
+    spatial = sum(c.isdigit() for c in out_l)
+    pairs = 1
+    for d, w in enumerate(_window(line, spatial)):
+        n, m = lhs[lhs_l.index(str(d))], out[out_l.index(str(d))]
+        span = (n - 1) * w["lhs_dilate"]
+        valid = 0
+        for o in range(m):
+            for t in range(w["size"]):
+                x = o * w["stride"] + t * w["rhs_dilate"] - w["lo"]
+                valid += 0 <= x <= span and x % w["lhs_dilate"] == 0
+        pairs *= valid
+    return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs
+
+
 class _Program:
     def __init__(self, text: str, mesh_shape: dict[str, int] | None, num_devices: int):
         self.mesh_shape, self.num_devices = mesh_shape, num_devices
@@ -161,10 +206,10 @@ class _Program:
             out.custom_calls += ins.op == "custom-call"
             self._collective(ins, out)
             if ins.op == "while":
-                trip = _TRIP.search(ins.line)
+                trip = self._trip_count(ins, symbols)
                 out.unknown_loops += trip is None
                 for callee in hlo._called(ins.line):
-                    out.add(self.costs(callee), int(trip[1]) if trip else 1)
+                    out.add(self.costs(callee), 1 if trip is None else trip)
             elif ins.op == "conditional":
                 branches = [self.costs(c) for c in hlo._called(ins.line)]
                 if branches:
@@ -184,6 +229,36 @@ class _Program:
                 out.bytes += self._bytes(ins, symbols)
         return out
 
+    def _trip_count(self, ins: _Instruction, symbols) -> int | None:
+        """XLA's `known_trip_count` (XLA:CPU / GPU annotate counted loops), else read off the loop (the TPU
+        compiler prints no annotation): a condition `counter < N` (or <=) on a tuple element whose initial value
+        in the while's operand is a constant; the counter steps by 1 (a scan's, a fori_loop's)."""
+        known = _TRIP.search(ins.line)
+        if known:
+            return int(known[1])
+        cond = _COND.search(ins.line)
+        lines = self.comps.get(cond[1], []) if cond else []
+        inner = {i.name: i for i in lines}
+        root = lines[-1] if lines else None
+        direction = _DIRECTION.search(root.line) if root is not None and root.op == "compare" else None
+        if direction is None or direction[1] not in ("LT", "LE") or len(root.operands) != 2:
+            return None
+        counter, bound = (inner.get(o) for o in root.operands)
+        if counter is None or bound is None or counter.op != "get-tuple-element" or bound.op != "constant":
+            return None
+        index = _INDEX.search(counter.line)
+        init = symbols.get(ins.operands[0]) if ins.operands else None
+        start = None
+        if index and init is not None and init.op == "tuple" and int(index[1]) < len(init.operands):
+            start = symbols.get(init.operands[int(index[1])])
+            while start is not None and start.op in ("copy", "bitcast") and start.operands:  # TPU copies it
+                start = symbols.get(start.operands[0])
+        start_value = _constant(start) if start is not None and start.op == "constant" else None
+        end = _constant(bound)
+        if start_value is None or end is None:
+            return None
+        return max(0, end - start_value + (direction[1] == "LE"))
+
     @staticmethod
     def _flops(ins: _Instruction, symbols) -> float:
         if ins.op == "dot":
@@ -194,12 +269,11 @@ class _Program:
             shape = lhs.arrays[0][1]
             return 2.0 * math.prod(ins.arrays[0][1]) * math.prod(shape[int(d)] for d in dims[1].split(",") if d)
         if ins.op == "convolution":
-            rhs = symbols.get(ins.operands[1]) if len(ins.operands) > 1 else None
+            lhs, rhs = (symbols.get(o) for o in (ins.operands + [None, None])[:2])
             labels = _DIM_LABELS.search(ins.line)
-            if rhs is None or labels is None:
+            if lhs is None or rhs is None or labels is None:
                 return 0.0
-            kernel = rhs.arrays[0][1]
-            return 2.0 * math.prod(ins.arrays[0][1]) * math.prod(kernel) / kernel[labels[2].index("o")]
+            return _conv_flops(ins.line, labels.groups(), lhs.arrays[0][1], rhs.arrays[0][1], ins.arrays[0][1])
         return 0.0
 
     @staticmethod
@@ -255,9 +329,7 @@ class _Program:
         arrays = ins.arrays[-1:] if match["start"] and ins.arrays else ins.arrays
         size = sum(_size(a) for a in arrays)
         groups = hlo._groups(ins.line, self.num_devices)
-        g = max(len(x) for x in groups)
-        sent = {"all-reduce": 2 * (g - 1) / g * size, "all-gather": (g - 1) / g * size,
-                "all-to-all": (g - 1) / g * size, "reduce-scatter": (g - 1) * size}.get(op, size) if g > 1 else 0.0
+        sent = hlo.ring_sent(op, max(len(x) for x in groups), size)
         key = (op, _axes(groups, self.mesh_shape))
         mine = out.collectives.setdefault(key, {"count": 0, "bytes": 0.0, "sent": 0.0})
         mine["count"] += 1

@@ -151,9 +151,17 @@ _GROUPS = re.compile(r"replica_groups=(\{\}|\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
                           r"(?:,\s*device_ids=\(\[(?P<ids>[0-9,]+)\](?:T\((?P<perm>[0-9,]+)\))?\))?\s*\{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{(\{[0-9,{}]*\})\}")
-_TYPED_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_TYPED_SHAPE, _DTYPE_BYTES = _TYPED_ARRAY, _BYTES
+
+
+def ring_sent(op: str, group: int, size: float) -> float:
+    """Bytes one device sends for collective `op` over a ring of `group` devices, of `size` bytes (the
+    result's; a permute's array): all-reduce 2 (g-1)/g, all-gather and all-to-all (g-1)/g, reduce-scatter
+    (g-1) times the result, a permute the array; nothing over a group of one."""
+    if group <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (group - 1) / group * size, "all-gather": (group - 1) / group * size,
+            "all-to-all": (group - 1) / group * size, "reduce-scatter": (group - 1) * size}.get(op, size)
 
 
 def _groups(line: str, num_devices: int) -> list[list[int]]:
@@ -205,10 +213,7 @@ def collective_traffic(compiled_or_hlo_text, num_devices: int) -> list[dict]:
         groups = _groups(line, num_devices)
         g = max(len(x) for x in groups)
         size = sum(math.prod(shape) * _DTYPE_BYTES.get(t, 4) for t, shape in arrays)
-        op = match["op"]
-        sent = {"all-reduce": 2 * (g - 1) / g * size, "all-gather": (g - 1) / g * size,
-                "all-to-all": (g - 1) / g * size, "reduce-scatter": (g - 1) * size}.get(op, size)
-        found.append({"op": op, "arrays": arrays, "groups": groups, "sent": sent if g > 1 else 0.0})
+        found.append({"op": match["op"], "arrays": arrays, "groups": groups, "sent": ring_sent(match["op"], g, size)})
     return found
 
 

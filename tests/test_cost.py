@@ -96,25 +96,50 @@ def test_a_conditional_counts_its_costliest_branch_and_lists_each(args):
     assert sorted(b.flops for b in counted.branches[0]) == [2 * M * K * K, 3 * 2 * M * K * K]
 
 
+def _by_hand(config, devices: int) -> float:
+    """The matmul FLOPs of one device's train step of a Llama `config` (no remat, whole-score attention),
+    from its sizes alone: 6 per token and multiplied parameter (forward 2, the input's and the weight's
+    gradients 2 each; the lookup table multiplies nothing), attention's scores and values (2 matmuls of
+    2 B H T^2 hd forward, 4 backward), and the chunked loss (`model.loss_chunk`) recomputing the head's
+    forward in its backward (2 x tokens x d x V)."""
+    m, t = config.model, config.train
+    hd, kv = m.d_model // m.num_heads, m.num_kv_heads * (m.d_model // m.num_heads)
+    per_layer = m.d_model * (2 * m.d_model + 2 * kv) + 3 * m.d_model * m.d_ff
+    multiplied = m.num_layers * per_layer + m.d_model * m.vocab_size  # + the head
+    rows = t.global_batch_size // devices
+    tokens = rows * t.seq_len
+    attention = m.num_layers * 6 * 2 * rows * m.num_heads * t.seq_len ** 2 * hd
+    head = 2 * tokens * m.d_model * m.vocab_size if m.loss_chunk else 0
+    return 6 * tokens * multiplied + attention + head
+
+
 def test_a_llama_train_step_counts_six_flops_per_parameter_and_token_plus_attention():
-    """configs/tiny.py's Llama on one device, attention by the reference (whole [T, T] scores), no remat: the
-    compiled train step's matmul FLOPs are 6 per token and multiplied parameter (forward 2, the input's and
-    the weight's gradients 2 each; the lookup table multiplies nothing), plus attention's scores and values
-    (2 matmuls of 2 B H T^2 hd forward, 4 backward), counted by hand from the config; the chunked loss
-    (`model.loss_chunk`) recomputes the head's forward in its backward: one more 2 x tokens x d x V."""
+    """configs/tiny.py's Llama on one device, attention by the reference (whole [T, T] scores), no remat,
+    with and without the chunked loss: the compiled train step's count is `_by_hand`'s exactly."""
     from helpers import tiny_config
     from parallax.memory import compile_step
 
     config = tiny_config()
     config.model.update(attention_block=0, remat="none")
-    m, t = config.model, config.train
-    hd, kv = m.d_model // m.num_heads, m.num_kv_heads * (m.d_model // m.num_heads)
-    per_layer = m.d_model * (2 * m.d_model + 2 * kv) + 3 * m.d_model * m.d_ff
-    multiplied = m.num_layers * per_layer + m.d_model * m.vocab_size  # + the head
-    tokens = t.global_batch_size * t.seq_len
-    attention = m.num_layers * 6 * 2 * t.global_batch_size * m.num_heads * t.seq_len ** 2 * hd
-    head = 2 * tokens * m.d_model * m.vocab_size
-    for chunk in (0, m.loss_chunk):
+    for chunk in (0, config.model.loss_chunk):
         config.model.loss_chunk = chunk
         _, compiled = compile_step(config, jax.devices()[:1])
-        assert cost.step_costs(compiled).flops == 6 * tokens * multiplied + attention + (head if chunk else 0)
+        assert cost.step_costs(compiled).flops == _by_hand(config, 1)
+
+
+def test_the_tpu_compilers_program_counts_the_same_flops_and_its_loops():
+    """The same count on XLA:TPU's program (libtpu, compile-only, v5p:2x2x1, fsdp 4, 5 layers): it annotates
+    no trip counts (read off each loop's condition here) and writes the matmuls as convolutions whose
+    windows mostly land on padding (only the taps on real input count); the weights gathered over fsdp."""
+    pytest.importorskip("libtpu")
+    from helpers import tiny_config
+    from parallax.memory import compile_step, tpu_devices
+
+    config = tiny_config(fsdp=4)
+    config.model.update(attention_block=0, remat="none", num_layers=5)
+    _, compiled = compile_step(config, tpu_devices("v5p:2x2x1"))
+    counted = cost.step_costs(compiled, {"fsdp": 4})
+    assert " while(" in compiled.as_text() and "known_trip_count" not in compiled.as_text()
+    assert counted.unknown_loops == 0
+    assert counted.flops == _by_hand(config, 4)
+    assert set(counted.by_axes()) == {("fsdp",)}
