@@ -174,12 +174,11 @@ def _conv_flops(line, labels, lhs, rhs, out) -> float:
     pairs = 1
     for d, w in enumerate(_window(line, spatial)):
         n, m = lhs[lhs_l.index(str(d))], out[out_l.index(str(d))]
-        span = (n - 1) * w["lhs_dilate"]
+        span, o = (n - 1) * w["lhs_dilate"], np.arange(m) * w["stride"] - w["lo"]
         valid = 0
-        for o in range(m):
-            for t in range(w["size"]):
-                x = o * w["stride"] + t * w["rhs_dilate"] - w["lo"]
-                valid += 0 <= x <= span and x % w["lhs_dilate"] == 0
+        for t in range(w["size"]):  # the input positions tap t reads, for every output position at once
+            x = o + t * w["rhs_dilate"]
+            valid += int(np.count_nonzero((x >= 0) & (x <= span) & (x % w["lhs_dilate"] == 0)))
         pairs *= valid
     return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs
 
