@@ -1,5 +1,6 @@
 """TensorBoard event files beside `metrics.jsonl`: the same scalars, under the same names, at the same steps.
 
+`WandbWriter` sends the same records to Weights & Biases when `config.train.wandb_project` is set.
 `TensorBoardWriter(logdir, resume_step)` writes with tensorboardX (no TensorFlow needed); a resumed run
 purges the steps after the checkpoint it resumed from, as `metrics.jsonl` drops them, so TensorBoard shows
 each step once. `read_scalars(logdir)` reads the event files back without TensorBoard (tests, notebooks).
@@ -38,6 +39,56 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class WandbWriter:
+    """The same records to a Weights & Biases run (`config.train.wandb_project`). The run's id is kept in
+    `WORKDIR/wandb_run_id`, so a resumed run continues the same W&B run; the config is logged once, when the
+    run is created. Steps a killed run logged past its checkpoint stay in W&B, and the rerun's repeats of
+    them (the same values: resuming is exact) are dropped by W&B, which keeps a run's steps increasing."""
+
+    ID_FILE = "wandb_run_id"
+
+    def __init__(self, workdir, project: str, entity: str, mode: str, config: dict):
+        import uuid
+
+        import wandb
+
+        id_path = os.path.join(str(workdir), self.ID_FILE)
+        new = not os.path.exists(id_path)
+        if new:
+            with open(id_path + ".tmp", "w") as f:
+                f.write(uuid.uuid4().hex[:16])
+            os.replace(id_path + ".tmp", id_path)
+        with open(id_path) as f:
+            run_id = f.read().strip()
+        self._run = wandb.init(project=project, entity=entity or None, id=run_id, resume="allow", mode=mode,
+                               dir=str(workdir), config=config if new else None)
+
+    def write(self, record: dict) -> None:
+        self._run.log({k: float(v) for k, v in record.items() if k not in _NOT_SCALARS
+                       and isinstance(v, (int, float)) and not isinstance(v, bool)}, step=int(record["step"]))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class Sinks:
+    """Every metrics sink of a run (TensorBoard, W&B) behind one `write` / `close`."""
+
+    def __init__(self, sinks):
+        self.sinks = list(sinks)
+
+    def write(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def _records(path: str):

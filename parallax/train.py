@@ -33,7 +33,7 @@ from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
 from parallax.defaults import load_saved_config
 from parallax.errors import ConfigError
-from parallax.summary import TensorBoardWriter
+from parallax.summary import Sinks, TensorBoardWriter, WandbWriter
 from parallax.throughput import throughput
 from parallax.trainer import Trainer
 
@@ -270,7 +270,10 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
         if isinstance(dataset, preference.PreferenceDataset):
             set_reference(trainer, dataset, state, workdir, lead, log)
         if lead:
-            tensorboard = TensorBoardWriter(workdir / "tb", int(state["step"]))
+            tensorboard = Sinks([TensorBoardWriter(workdir / "tb", int(state["step"]))])
+            if t.wandb_project:
+                tensorboard.sinks.append(WandbWriter(workdir, t.wandb_project, t.wandb_entity, t.wandb_mode,
+                                                     config.to_dict()))
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
                      lambda: stop.signum, tensorboard, profiler)
     except BaseException as e:

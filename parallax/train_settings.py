@@ -30,7 +30,11 @@ KEYS = dict(
     nan_policy="stop",  # stop | skip: on a non-finite loss or gradient, stop without saving, or skip the step
     sample_tokens=200,  # tokens launch/sample.py generates by default
     profile_steps=(),  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
+    wandb_project="",  # Weights & Biases project to log the metrics to ('': off); needs `pip install wandb`
+    wandb_entity="",  # its entity (team or user; '': your default)
+    wandb_mode="online",  # online | offline (written under WORKDIR/wandb; `wandb sync` uploads it later)
 )
+WANDB_MODES = ("online", "offline")
 NAN_POLICIES = ("stop", "skip")
 # The arrays of a batch, each [rows, seq_len]: tokens in, tokens out, document ids, positions, loss weights.
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
@@ -53,6 +57,9 @@ class TrainSettings:
     nan_policy: str  # stop | skip
     sample_tokens: int
     profile_steps: tuple  # () or (first, last)
+    wandb_project: str = ""  # '' : no Weights & Biases
+    wandb_entity: str = ""
+    wandb_mode: str = "online"
 
     @property
     def skip_nonfinite(self) -> bool:
@@ -89,12 +96,21 @@ def resolve(section) -> TrainSettings:
                           f"compilation), or () for no profile")
     if t.nan_policy not in NAN_POLICIES:
         raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
+    if t.wandb_mode not in WANDB_MODES:
+        raise ConfigError(f"config.train.wandb_mode={t.wandb_mode!r}: expected online or offline")
+    if t.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"config.train.wandb_project={t.wandb_project!r}: needs the wandb package; "
+                              "pip install wandb, or leave wandb_project empty")
     return TrainSettings(
         steps=int(t.steps), global_batch_size=int(t.global_batch_size), seq_len=int(t.seq_len), seed=int(t.seed),
         microbatches=int(t.microbatches), log_every=int(t.log_every), eval_every=int(t.eval_every),
         eval_batches=int(t.eval_batches), checkpoint_every=int(t.checkpoint_every),
         keep_checkpoints=int(t.keep_checkpoints), async_checkpoint=bool(t.async_checkpoint),
-        nan_policy=str(t.nan_policy), sample_tokens=int(t.sample_tokens), profile_steps=profile)
+        nan_policy=str(t.nan_policy), sample_tokens=int(t.sample_tokens), profile_steps=profile,
+        wandb_project=str(t.wandb_project), wandb_entity=str(t.wandb_entity), wandb_mode=str(t.wandb_mode))
 
 
 def check_batch(train: TrainSettings, data_parallel: int) -> None:

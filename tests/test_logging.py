@@ -7,6 +7,7 @@ import math
 import os
 import sys
 
+import jax
 import pytest
 
 from helpers import ROOT, read_metrics, run_launcher, tiny_config
@@ -214,3 +215,65 @@ def test_plot_draws_every_logged_curve_per_run_and_per_mixture_source():
     assert got["tokens/s per device"] == {"a": ([2], [50.0]), "b": ([1], [7.0])}
     assert got["MFU (%)"] == {"a": ([2], [40.0])}
     assert list(curves([b], ["b"])) == ["train loss", "learning rate", "tokens/s per device"]
+
+
+def _wandb_records(path):
+    """The protobuf records of an offline W&B run file (`run-ID.wandb`): a 7-byte header (':W&B', magic,
+    version), then LevelDB's log format (32 KiB blocks; each chunk: CRC 4, length 2, type 1: full / first /
+    middle / last). Read here, independently of wandb, which ships no reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending = open(path, "rb").read(), 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4) and pending:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_the_metrics_and_the_config_and_a_resume_continues_it(tmp_path, monkeypatch):
+    """train.wandb_project with wandb_mode=offline: 2 steps, then a rerun to 4 resumes the same W&B run (the
+    id kept in the workdir); each run file holds its steps' metrics.jsonl values, the config once (the first);
+    off by default; a bad mode is one line."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    workdir = str(tmp_path / "run")
+    config = tiny_config()
+    config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1, wandb_project="parallax-test",
+                        wandb_mode="offline")
+    config.optim.decay_steps = 4
+    train_and_evaluate(config, workdir, devices=jax.devices()[:1], log=lambda *_: None)
+    config.train.steps = 4
+    train_and_evaluate(config, workdir, devices=jax.devices()[:1], log=lambda *_: None)
+    run_id = open(os.path.join(workdir, "wandb_run_id")).read().strip()
+    files = sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", f"run-{run_id}.wandb")))
+    assert len(files) == 2, os.listdir(os.path.join(workdir, "wandb"))
+    logged, configs = {}, []
+    for path in files:
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                logged[items["_step"]] = items
+            elif kind == "config":
+                configs.append({i.key or "/".join(i.nested_key) for i in record.config.update})
+            elif kind == "run":
+                configs.append({k.key for k in record.run.config.update})
+    want = {r["step"]: r for r in read_metrics(workdir)}
+    assert sorted(logged) == [1, 2, 3, 4] == sorted(want)
+    for step, r in want.items():
+        for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "eval_loss"):
+            if key in r:
+                assert logged[step][key] == pytest.approx(r[key], rel=1e-6), (step, key)
+    assert sum("model" in c for c in configs) == 1, configs  # the config, logged by the first run only
+    assert not tiny_config().train.wandb_project  # off by default
+    config.train.wandb_mode = "cloud"
+    with pytest.raises(ConfigError, match=r"config.train.wandb_mode='cloud': expected online or offline"):
+        make_plan(config, 1)
