@@ -542,7 +542,7 @@ def bench_diloco(steps: int):
 def bench_quant(steps: int):
     """8-bit training against the unquantized run at equal steps, each run's final eval loss and its ratio to
     the first mode's (docs/quantization.md's convergence tables). `--quant_model=quickstart`: configs/quickstart.py
-    (byte-level Llama on the stdlib corpus, its mesh); `bpe`: 8 layers x d_model 256 (8.9M parameters) on a
+    (byte-level Llama on the stdlib corpus, its mesh); `bpe`: 8 layers x d_model 256 (8.4M parameters) on a
     BPE of 4,096 ids trained on the standard library's modules, shards prepared once (data.md's recipe).
     `--dtype`: the compute dtype (bf16 is emulated on a CPU: the same roundings, not the speed)."""
     import glob
