@@ -263,19 +263,19 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
     workdir = epath.Path(workdir)
     checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", t.checkpoint_every, t.keep_checkpoints,
                                          async_save=t.async_checkpoint)
-    tensorboard, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
+    sinks, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
     close, stop = True, _StopSignals()
     try:
         state = _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer)
         if isinstance(dataset, preference.PreferenceDataset):
             set_reference(trainer, dataset, state, workdir, lead, log)
         if lead:
-            tensorboard = Sinks([TensorBoardWriter(workdir / "tb", int(state["step"]))])
+            sinks = Sinks([TensorBoardWriter(workdir / "tb", int(state["step"]))])
             if t.wandb_project:
-                tensorboard.sinks.append(WandbWriter(workdir, t.wandb_project, t.wandb_entity, t.wandb_mode,
+                sinks.sinks.append(WandbWriter(workdir, t.wandb_project, t.wandb_entity, t.wandb_mode,
                                                      config.to_dict()))
         return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
-                     lambda: stop.signum, tensorboard, profiler)
+                     lambda: stop.signum, sinks, profiler)
     except BaseException as e:
         # With several processes, an error is most often a lost peer: closing would wait on a save whose
         # commit needs every process; a second Ctrl-C asks not to wait. The last complete checkpoint is on
@@ -284,8 +284,8 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
         raise
     finally:
         profiler.stop()
-        if tensorboard is not None:
-            tensorboard.close()  # flushes what was logged, also when the run failed
+        if sinks is not None:
+            sinks.close()  # flushes what was logged, also when the run failed
         try:
             if close:
                 checkpointer.close()  # waits for the last async save: a first Ctrl-C here is only recorded
@@ -451,7 +451,7 @@ def _truncate_metrics(path, step: int) -> None:
         tmp.replace(path)
 
 
-def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested, tensorboard=None,
+def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested, sinks=None,
           profiler=None) -> TrainResult:
     t = trainer.plan.train
     speed = throughput(trainer.plan, trainer.mesh)
@@ -494,8 +494,8 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
             if metrics_path is not None:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
-            if tensorboard is not None:
-                tensorboard.write(record)
+            if sinks is not None:  # TensorBoard, W&B
+                sinks.write(record)
             eta = (time.perf_counter() - run_start) / (step - first_step) * (t.steps - step)
             log(_progress_line(record, t.steps, eta))
         signalled = _stop_signal(stop_requested())
