@@ -126,8 +126,10 @@ def _platform_flags():
 
 
 def _config_exit(error):
+    from parallax.errors import EXIT_BAD_INPUT
+
     print(f"config error: {error}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def _latest_checkpoint(workdir):
@@ -191,13 +193,14 @@ def _peer_exit(error, workdir, lost=None):
     import jax
 
     from parallax import distributed
+    from parallax.errors import EXIT_PEER_LOST
 
     runtime_error = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
     if lost is None and (not isinstance(error, runtime_error) or jax.process_count() == 1):
         raise error
     print(distributed.lost_peer_line(error, jax.process_index(), jax.process_count(), _latest_checkpoint(workdir),
                                      lost=lost), file=sys.stderr, flush=True)
-    os._exit(3)  # not sys.exit: JAX's shutdown would wait for the lost peer
+    os._exit(EXIT_PEER_LOST)  # not sys.exit: JAX's shutdown would wait for the lost peer
 
 
 def plain_cli(program: str):

@@ -1,5 +1,6 @@
 """Draws a run's curves from its metrics.jsonl: train loss, eval loss (per mixture source too), learning
-rate, gradient norm, tokens/s per device and MFU (each where the run logged it).
+rate, gradient norm, tokens/s per device, MFU, goodput and the wall time in each goodput bucket (each where
+the run logged it).
 
     python launch/plot.py --workdir=runs/quickstart [--compare=runs/other --compare=runs/third] [--out=FILE.png]
 

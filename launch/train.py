@@ -4,9 +4,11 @@
         [--config.train.steps=100 --config.mesh.fsdp=2 ...]
 
 Rerunning the same command with the same workdir resumes from the latest checkpoint. A config error exits
-with status 2 and one line naming the key, the value and what would be valid; a non-finite loss exits 1
+with status 2 and one line naming the key, the value and what would be valid; a non-finite loss exits 5
 with one line; SIGTERM saves a checkpoint and exits 143, and so does Ctrl-C (SIGINT), exiting 130 (a second
-Ctrl-C stops at once without saving, also exit 130 with one line).
+Ctrl-C stops at once without saving, also exit 130 with one line); a lost peer exits 3 and a hang
+(train.hang_timeout_s / hang_factor) 4, its stacks in WORKDIR/hang/. The table: docs/checkpoints.md, "Exit
+statuses".
 
     python launch/train.py --config=FILE [--config.a.b=V ...] --print_config[=python|json] > resolved.py
     python launch/train.py --config=FILE [--config.a.b=V ...] --dry_run [--workdir=DIR] [--cpu_devices=8]
@@ -39,6 +41,8 @@ def inspect_only(flags):
 
 
 def run(config, flags):
+    from parallax.errors import EXIT_NON_FINITE
+    from parallax.goodput import process_start_time
     from parallax.train import TrainingError, train_and_evaluate
 
     if flags.print_config:
@@ -55,10 +59,10 @@ def run(config, flags):
         return
 
     try:
-        result = train_and_evaluate(config, flags.workdir)
+        result = train_and_evaluate(config, flags.workdir, started=process_start_time())
     except TrainingError as e:
         print(f"training stopped: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_NON_FINITE)
     if result.preempted:  # 128 + the signal (SIGTERM, or a preemption notice: 143; Ctrl-C: 130): the
         sys.exit(128 + (result.stop_signal or signal.SIGTERM))  # scheduler sees an interrupted job, a rerun resumes
 

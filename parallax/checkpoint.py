@@ -66,6 +66,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def complete_steps(self) -> list[int]:
+        """The steps saved, once every save in flight has finished."""
+        self.manager.wait_until_finished()
+        return sorted(self.manager.all_steps())
+
     def saved_tree(self, step: int) -> dict:
         """The state tree saved at `step`, its leaves Orbax's array metadata (`.shape`, `.dtype`); read
         from the checkpoint's metadata, no array is loaded."""

@@ -49,7 +49,8 @@ def curves(runs, labels) -> dict:
     """What `plot_runs` draws: {panel title: {line label: (steps, values)}} for the runs' records (lists of
     metrics.jsonl rows) named by `labels`. Panels, each where any run logged it: train loss; eval loss, one
     line per run and one per mixture source (`eval_loss/SOURCE`); the learning rate; the gradient norm;
-    tokens/s per device (steps that include compilation left out); MFU in percent (the same steps)."""
+    tokens/s per device (steps that include compilation left out); MFU in percent (the same steps); goodput in
+    percent and the wall time in each of its buckets (`parallax.goodput`), summed over the workdir's attempts."""
     def series(records, key, skip_compile=False):
         rows = [r for r in records if key in r and not (skip_compile and r.get("includes_compile"))]
         return [r["step"] for r in rows], [r[key] for r in rows]
@@ -71,6 +72,12 @@ def curves(runs, labels) -> dict:
     if "mfu" in logged:
         panels["MFU (%)"] = lambda records: {"": (lambda st, v: (st, [100 * x for x in v]))(
             *series(records, "mfu", skip_compile=True))}
+    if "goodput" in logged:  # parallax.goodput: over every attempt of the workdir so far
+        panels["goodput (%)"] = lambda records: {"": (lambda st, v: (st, [100 * x for x in v]))(
+            *series(records, "goodput"))}
+        buckets = [k for k in sorted(logged) if k.startswith("goodput/") and k.endswith("_s")]
+        panels["wall time by bucket (s)"] = lambda records: {
+            " " + k[len("goodput/"):-2]: series(records, k) for k in buckets}
     out = {}
     for title, get in panels.items():
         out[title] = {}

@@ -10,6 +10,7 @@ saves and returns. `train.profile_steps=(a, b)` writes a `jax.profiler` trace of
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -33,6 +34,8 @@ from parallax import corpus as shard_lib
 from parallax import tokenizer as tok_lib
 from parallax.defaults import load_saved_config
 from parallax.errors import ConfigError
+from parallax.goodput import FILE as GOODPUT_FILE, Goodput
+from parallax.hang import HangWatch
 from parallax.summary import Sinks, TensorBoardWriter, WandbWriter
 from parallax.throughput import throughput
 from parallax.trainer import Trainer
@@ -50,6 +53,7 @@ class TrainResult:
     trainer: Trainer
     preempted: bool = False
     stop_signal: int = 0  # the signal that stopped it (SIGTERM, SIGINT); 0 for none or a preemption notice
+    goodput: dict | None = None  # seconds per bucket over every attempt of the workdir (`parallax.goodput`)
 
 
 def _shard_dirs(config) -> list[str]:
@@ -164,7 +168,8 @@ def evaluate(trainer: Trainer, params, dataset, num_batches: int, source: str | 
     return float(total[0] / max(total[1], 1.0))
 
 
-_MUST_MATCH_ON_RESUME = ("model", "data", "optim", "train.seed", "train.global_batch_size", "train.seq_len")
+_MUST_MATCH_ON_RESUME = ("model", "data", "optim", "train.seed", "train.global_batch_size", "train.seq_len",
+                         "train.spike_policy")  # the state's tree: its running statistics
 # Memory knobs that do not change the math (blockwise attention and the chunked loss are exact).
 _MAY_CHANGE_ON_RESUME = ("model.attention_block", "model.loss_chunk", "model.attention_impl", "optim.offload_state",
                          "model.seq_layout", "model.ulysses_degree",
@@ -247,13 +252,16 @@ class _StopSignals:
             signal.signal(signum, handler)
 
 
-def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainResult:
+def train_and_evaluate(config, workdir: str, devices=None, log=print, started: float | None = None) -> TrainResult:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; the library entry point.
 
     Only process 0 writes `config.json`, `metrics.jsonl` and the TensorBoard events (`tb/`) and logs. On
     SIGTERM or SIGINT every host saves the same step and returns with `preempted=True` (and `stop_signal`);
     rerunning the same command continues exactly. A second SIGINT raises KeyboardInterrupt without saving.
+    `started`: when this attempt began for the goodput accounts (`time.time()`; the launcher passes its
+    process's start), else now.
     """
+    entered = time.time()
     config, tokenizer = resolve_data(config)
     trainer = Trainer(config, devices)
     dataset = make_dataset(config, tokenizer)
@@ -265,8 +273,10 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
                                          async_save=t.async_checkpoint)
     sinks, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
     close, stop = True, _StopSignals()
+    goodput = Goodput(workdir / GOODPUT_FILE if lead else None, start=entered if started is None else started)
+    watch = HangWatch(workdir / "hang", t.hang_timeout_s, t.hang_factor, jax.process_index(), jax.process_count())
     try:
-        state = _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer)
+        state = _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer, goodput)
         if isinstance(dataset, preference.PreferenceDataset):
             set_reference(trainer, dataset, state, workdir, lead, log)
         if lead:
@@ -274,8 +284,19 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
             if t.wandb_project:
                 sinks.sinks.append(WandbWriter(workdir, t.wandb_project, t.wandb_entity, t.wandb_mode,
                                                      config.to_dict()))
-        return _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
-                     lambda: stop.signum, sinks, profiler)
+        goodput.add("startup", time.time() - goodput.start - sum(goodput.now.values()))
+        watch.start()
+        result = _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
+                       lambda: stop.signum, sinks, profiler, goodput, watch)
+        watch.stop()
+        began = time.perf_counter()
+        close = False
+        checkpointer.close()  # waits for the last async save: a first Ctrl-C here is only recorded
+        goodput.add("checkpoint", time.perf_counter() - began)
+        goodput.saved_all()
+        result.goodput = goodput.buckets()
+        log(goodput.line())
+        return result
     except BaseException as e:
         # With several processes, an error is most often a lost peer: closing would wait on a save whose
         # commit needs every process; a second Ctrl-C asks not to wait. The last complete checkpoint is on
@@ -283,6 +304,8 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print) -> TrainRe
         close = jax.process_count() == 1 and not isinstance(e, KeyboardInterrupt)
         raise
     finally:
+        watch.stop()
+        goodput.persist(force=True)
         profiler.stop()
         if sinks is not None:
             sinks.close()  # flushes what was logged, also when the run failed
@@ -342,7 +365,7 @@ def check_workdir(config, workdir, start, tokenizer=None) -> None:
                           "config.json of the run that wrote the checkpoints, or use a new --workdir") from None
 
 
-def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
+def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None, goodput=None):
     """The state to train from: restored from the latest checkpoint (after checking that the config
     continues the same run), or freshly initialised (writing `config.json`). A workdir that cannot be resumed
     (checkpoints without config.json, an unreadable checkpoint) is a ConfigError before anything is written."""
@@ -371,8 +394,13 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None):
         abstract = trainer.abstract_state()
         if trainer.path.state_keys:  # its state may be laid out for one mesh
             trainer.path.check_restore(checkpointer.saved_tree(start), abstract)
+        began = time.perf_counter()
         state = checkpointer.restore(abstract, start)  # straight onto the mesh's shardings
+        if goodput is not None:
+            goodput.add("checkpoint", time.perf_counter() - began)
         log(f"resumed from {checkpointer.directory} at step {start}")
+    if goodput is not None:
+        goodput.restored(start or 0)
     if lead:  # only once the state is in hand: a refused resume leaves the workdir as it was
         _truncate_metrics(workdir / "metrics.jsonl", start or 0)
     return state
@@ -412,7 +440,8 @@ def set_reference(trainer, dataset, state, workdir, lead, log) -> None:
                               "log-probs of its starting model); put it back, or start a new --workdir") from None
         if str(stored["fingerprint"]) != dataset.fingerprint:
             raise ConfigError(f"{path}: computed on other preference pairs than config.data.path="
-                              f"{dataset.path!r} gives; train on the pairs this run started with, or use a new --workdir")
+                              f"{dataset.path!r} gives; train on the pairs this run started with, or use a new "
+                              "--workdir")
         for split in preference.SPLITS:
             dataset.set_reference(split, stored[split])
         return
@@ -452,44 +481,92 @@ def _truncate_metrics(path, step: int) -> None:
 
 
 def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested, sinks=None,
-          profiler=None) -> TrainResult:
+          profiler=None, goodput=None, watch=None) -> TrainResult:
+    """The steps from `state`'s to `train.steps`. `goodput` (`parallax.goodput`) is told where the time goes,
+    `watch` (`parallax.hang`) when a step runs and when anything finishes."""
     t = trainer.plan.train
+    goodput = goodput or Goodput()
+    watch = watch or HangWatch(None)
     speed = throughput(trainer.plan, trainer.mesh)
     history, eval_loss, preempted, signalled = [], None, False, 0
     step = first_step = int(state["step"])
     rows = trainer.host_rows()
-    run_start = last = time.perf_counter()
+    run_start = time.perf_counter()
     batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
+    last = time.perf_counter()
+    goodput.add("data", last - run_start)
+    evaluated = False  # the eval program has run (its first run compiles: not watched for hangs)
+    streak = 0  # spikes in a row (train.spike_policy)
     while step < t.steps:
         if profiler is not None:
             profiler.before(step + 1)
         compiles = not trainer.compiled_for(step)  # this kind of step's first: its time includes the compile
-        state, metrics = trainer.train_step_at(step)(state, batch)  # dispatched asynchronously
-        step += 1
-        batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
-        metrics = trainer.path.fetch_metrics(metrics)  # the next batch was built while the device ran this step
+        # A step that compiles is not watched for hangs: neither the compile nor the wait for other hosts
+        # still compiling theirs
+        with watch.paused() if compiles else contextlib.nullcontext():
+            state, metrics = trainer.train_step_at(step)(state, batch)  # dispatched asynchronously
+            step += 1
+            watch.running(step, timed=not compiles)
+            began = time.perf_counter()
+            batch = trainer.device_batch(dataset.batch(step, rows=rows)) if step < t.steps else None
+            built = time.perf_counter()
+            metrics = trainer.path.fetch_metrics(metrics)  # the next batch was built while the device ran it
+            watch.finished()
         if profiler is not None:
             profiler.after(step)
         now = time.perf_counter()
         dt, last = now - last, now
-        _check_finite(step, metrics, t.nan_policy, log)
+        # The device waited for the batch only if the step was over when the batch was ready (the fetch
+        # returned at once): then count the batch's time as data (an upper bound), else it was hidden.
+        data_wait = built - began if batch is not None and now - built < 1e-3 else 0.0
+        goodput.add("data", data_wait)
+        goodput.step(step, dt - data_wait, compiled=compiles or step == first_step + 1)
+        rewound = None
+        if t.spikes:  # non-finite steps are spikes too
+            streak = streak + 1 if metrics["spike"] else 0
+            if metrics["spike"]:
+                log(_spike_line(step, metrics, streak))
+            if streak and streak == t.spike_rewind_after:
+                began = time.perf_counter()
+                with watch.paused():  # a restore is progress, however long it takes
+                    state, rewound = _rewind(trainer, checkpointer, state, step, step - streak + 1, log)
+                goodput.add("checkpoint", time.perf_counter() - began)
+                if rewound is not None:
+                    goodput.rewound(rewound, step)
+                    streak = 0
+        else:
+            _check_finite(step, metrics, t.nan_policy, log)
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]), **speed.metrics(dt), "step_time_s": dt,
                   "epoch": round(dataset.epoch(step), 6)}
         if not metrics["completed"]:  # no batch completed (a pipeline without flush, at its first step):
             # no loss to log (NaN is not JSON)
             del record["loss"], record["grad_norm"]
+        elif not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):  # a skipped step's
+            del record["loss"], record["grad_norm"]  # (nan_policy or spike_policy): strict JSON has no NaN
+            record["non_finite"] = 1
         record.update({k: float(v) for k, v in metrics.get("model", {}).items()})  # e.g. MoE router statistics
         # a step path's own (e.g. DiLoCo's outer step), on the steps that have them (NaN on the others)
         record.update({k: float(v) for k, v in metrics.get("path", {}).items() if math.isfinite(float(v))})
+        if t.spikes and metrics["spike"]:
+            record["spike_skipped"] = 1
+            if rewound is not None:
+                record["rewound_to"] = rewound  # batches rewound + 1 .. step are skipped: the step count goes on
         if step == first_step + 1 or compiles:
             record["includes_compile"] = True
         if t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps):
-            eval_loss = record["eval_loss"] = evaluate(trainer, state["params"], dataset, t.eval_batches)
-            for source in dataset.mixture_sources:  # a mixture: each source's own eval split too
-                record[f"eval_loss/{source}"] = evaluate(trainer, state["params"], dataset, t.eval_batches, source)
+            began = time.perf_counter()
+            with contextlib.nullcontext() if evaluated else watch.paused():
+                eval_loss = record["eval_loss"] = evaluate(trainer, state["params"], dataset, t.eval_batches)
+                for source in dataset.mixture_sources:  # a mixture: each source's own eval split too
+                    record[f"eval_loss/{source}"] = evaluate(trainer, state["params"], dataset, t.eval_batches,
+                                                             source)
+            evaluated = True
+            watch.progress()
             last = time.perf_counter()  # eval time is not step time
-        if step % t.log_every == 0 or step == t.steps or "eval_loss" in record:
+            goodput.add("eval", last - began)
+        if step % t.log_every == 0 or step == t.steps or "eval_loss" in record or "spike_skipped" in record:
+            record.update(goodput.metrics())
             history.append(record)
             if metrics_path is not None:
                 with metrics_path.open("a") as f:
@@ -500,13 +577,45 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
             log(_progress_line(record, t.steps, eta))
         signalled = _stop_signal(stop_requested())
         preempted = bool(signalled) or checkpointer.reached_preemption(step)  # Orbax's policy saves this step
-        checkpointer.maybe_save(step, state, force=step == t.steps or preempted)
+        began = time.perf_counter()
+        if checkpointer.maybe_save(step, state, force=step == t.steps or preempted):
+            goodput.saving(step)
+        last = time.perf_counter()  # save time is not step time either
+        goodput.add("checkpoint", last - began)
+        watch.progress()
+        goodput.persist()
         if preempted:
             log(f"received {signal.Signals(signalled).name if signalled else 'a preemption notice'}: saved step "
                 f"{step}; rerun the same command to continue")
             break
     return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer, preempted=preempted,
                        stop_signal=signalled)
+
+
+def _spike_line(step, metrics, streak) -> str:
+    what = (f"loss {float(metrics['loss']):.4g}, grad_norm {float(metrics['grad_norm']):.4g}"
+            if metrics["finite"] else "a non-finite loss or gradient")
+    return f"step {step}: spike ({what}); update skipped (train.spike_policy=skip), {streak} in a row"
+
+
+def _rewind(trainer, checkpointer, state, step, first_spike, log):
+    """The state of the last checkpoint saved before step `first_spike` (or the oldest kept), with the step
+    count of `step`: the parameters and optimizer state go back, the batches after the checkpoint up to
+    `step` are skipped (the data position is the step). Returns (state, the checkpoint's step), or (state,
+    None) when no checkpoint is saved yet."""
+    saved = checkpointer.complete_steps()
+    if not saved:
+        log(f"step {step}: {trainer.plan.train.spike_rewind_after} spikes in a row, but no checkpoint to rewind "
+            "to yet; skipping on")
+        return state, None
+    before = [s for s in saved if s < first_spike]
+    target = max(before) if before else min(saved)
+    restored = checkpointer.restore(trainer.abstract_state(), target)
+    restored["step"] = state["step"]
+    log(f"step {step}: {trainer.plan.train.spike_rewind_after} spikes in a row: rewound the parameters and "
+        f"optimizer state to the checkpoint of step {target}{'' if before else ' (the oldest kept)'}; the batches "
+        f"of steps {target + 1}-{step} are skipped")
+    return restored, target
 
 
 def _check_finite(step, metrics, nan_policy, log):
@@ -529,7 +638,7 @@ def _progress_line(record, steps, eta) -> str:
     done = int(width * step / max(steps, 1))
     bar = "[" + "#" * done + "-" * (width - done) + f"] {100 * step / max(steps, 1):3.0f}%"
     losses = (f"loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f}" if "loss" in record else
-              "(no batch completed yet)")
+              "loss non-finite" if record.get("non_finite") else "(no batch completed yet)")
     line = (f"{bar} step {step}/{steps} {losses} lr {record['lr']:.2e} {record['tokens_per_sec']:,.0f} tok/s "
             f"{record['step_time_s']:.3f} s/step eta {eta:.0f}s")
     if "mfu" in record:

@@ -28,6 +28,12 @@ KEYS = dict(
     keep_checkpoints=2,  # checkpoints kept (the oldest are deleted)
     async_checkpoint=True,  # save in the background while training goes on
     nan_policy="stop",  # stop | skip: on a non-finite loss or gradient, stop without saving, or skip the step
+    spike_policy="off",  # off | skip: skip the update of a step whose loss or gradient norm is a spike
+    spike_zscore=6.0,  # a spike: loss or grad_norm above its running mean by this many running std deviations
+    spike_window=100,  # the running statistics' horizon (an EMA, in steps); no spikes before this many updates
+    spike_rewind_after=3,  # this many spikes in a row: back to the last checkpoint before them (0: never)
+    hang_timeout_s=0.0,  # no step, eval or save done for this long (compiles aside): dump stacks, exit 4 (0: off)
+    hang_factor=0.0,  # also when a step runs over this multiple of the recent median and over 5 s (0: off)
     sample_tokens=200,  # tokens launch/sample.py generates by default
     profile_steps=(),  # (first, last): jax.profiler trace of those steps into WORKDIR/profile; (): none
     wandb_project="",  # Weights & Biases project to log the metrics to ('': off); needs `pip install wandb`
@@ -36,6 +42,7 @@ KEYS = dict(
 )
 WANDB_MODES = ("online", "offline")
 NAN_POLICIES = ("stop", "skip")
+SPIKE_POLICIES = ("off", "skip")
 # The arrays of a batch, each [rows, seq_len]: tokens in, tokens out, document ids, positions, loss weights.
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
@@ -57,9 +64,20 @@ class TrainSettings:
     nan_policy: str  # stop | skip
     sample_tokens: int
     profile_steps: tuple  # () or (first, last)
+    spike_policy: str = "off"  # off | skip (`parallax.trainer.Trainer.update`, the loop's rewind)
+    spike_zscore: float = 6.0
+    spike_window: int = 100
+    spike_rewind_after: int = 3
+    hang_timeout_s: float = 0.0  # parallax.hang: 0 = off
+    hang_factor: float = 0.0
     wandb_project: str = ""  # '' : no Weights & Biases
     wandb_entity: str = ""
     wandb_mode: str = "online"
+
+    @property
+    def spikes(self) -> bool:
+        """`spike_policy=skip`: the state carries running loss / grad-norm statistics (`state['spike']`)."""
+        return self.spike_policy != "off"
 
     @property
     def skip_nonfinite(self) -> bool:
@@ -96,6 +114,22 @@ def resolve(section) -> TrainSettings:
                           f"compilation), or () for no profile")
     if t.nan_policy not in NAN_POLICIES:
         raise ConfigError(f"config.train.nan_policy={t.nan_policy!r}: expected stop or skip")
+    if t.spike_policy not in SPIKE_POLICIES:
+        raise ConfigError(f"config.train.spike_policy={t.spike_policy!r}: expected off or skip")
+    if not float(t.spike_zscore) > 0:
+        raise ConfigError(f"config.train.spike_zscore={t.spike_zscore}: must be > 0 (e.g. 6: six running "
+                          "standard deviations above the running mean)")
+    if int(t.spike_window) < 2:
+        raise ConfigError(f"config.train.spike_window={t.spike_window}: must be >= 2 (steps in the running "
+                          "statistics, e.g. 100)")
+    if int(t.spike_rewind_after) < 0:
+        raise ConfigError(f"config.train.spike_rewind_after={t.spike_rewind_after}: must be >= 0 (0: never rewind)")
+    for key in ("hang_timeout_s", "hang_factor"):
+        if not float(t[key]) >= 0:
+            raise ConfigError(f"config.train.{key}={t[key]}: must be >= 0 (0 turns it off)")
+    if 0 < float(t.hang_factor) <= 1:
+        raise ConfigError(f"config.train.hang_factor={t.hang_factor}: a multiple of the median step, so over 1 "
+                          "(e.g. 10), or 0 for off")
     if t.wandb_mode not in WANDB_MODES:
         raise ConfigError(f"config.train.wandb_mode={t.wandb_mode!r}: expected online or offline")
     if t.wandb_project:
@@ -109,7 +143,10 @@ def resolve(section) -> TrainSettings:
         microbatches=int(t.microbatches), log_every=int(t.log_every), eval_every=int(t.eval_every),
         eval_batches=int(t.eval_batches), checkpoint_every=int(t.checkpoint_every),
         keep_checkpoints=int(t.keep_checkpoints), async_checkpoint=bool(t.async_checkpoint),
-        nan_policy=str(t.nan_policy), sample_tokens=int(t.sample_tokens), profile_steps=profile,
+        nan_policy=str(t.nan_policy), spike_policy=str(t.spike_policy), spike_zscore=float(t.spike_zscore),
+        spike_window=int(t.spike_window), spike_rewind_after=int(t.spike_rewind_after),
+        hang_timeout_s=float(t.hang_timeout_s), hang_factor=float(t.hang_factor),
+        sample_tokens=int(t.sample_tokens), profile_steps=profile,
         wandb_project=str(t.wandb_project), wandb_entity=str(t.wandb_entity), wandb_mode=str(t.wandb_mode))
 
 

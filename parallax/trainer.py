@@ -22,8 +22,45 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax import data as data_lib
 from parallax import optim, sharding
+from parallax.errors import ConfigError
 from parallax.steps import make_path
 from parallax.plan import Plan, make_plan
+
+
+# The running statistics of `train.spike_policy` (`state['spike']`): exponential moving mean and variance of
+# the loss and of the gradient norm over the applied steps, and how many steps were applied.
+SPIKE_STATS = ("loss_mean", "loss_var", "grad_mean", "grad_var", "count")
+
+
+def spike_test(stats, loss, grad_norm, train, applies=None):
+    """(spike, new stats): whether this step is a spike -- non-finite, or once `train.spike_window` steps
+    were applied, loss or gradient norm above its running mean by more than `train.spike_zscore` running
+    standard deviations (upward only: a sudden drop is no trouble) -- and the statistics with this step in
+    them if it is applied (`applies`: the other reasons it may not be, e.g. a pipeline step that completed
+    no batch). The moving statistics are the usual exponentially weighted mean and variance with weight
+    2 / (window + 1), started at the first value."""
+    alpha = 2.0 / (train.spike_window + 1.0)
+    count = stats["count"]
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def z(x, mean, var):
+        return (x - mean) / jnp.sqrt(jnp.maximum(var, 1e-12))
+    warm = count >= train.spike_window
+    spike = ~finite | (warm & ((z(loss, stats["loss_mean"], stats["loss_var"]) > train.spike_zscore)
+                               | (z(grad_norm, stats["grad_mean"], stats["grad_var"]) > train.spike_zscore)))
+    applied = ~spike if applies is None else applies & ~spike
+
+    def moved(x, mean, var):
+        first = count == 0
+        delta = x - mean
+        new_mean = jnp.where(first, x, mean + alpha * delta)
+        new_var = jnp.where(first, 0.0, (1 - alpha) * (var + alpha * delta * delta))
+        return new_mean, new_var
+    loss_mean, loss_var = moved(loss.astype(jnp.float32), stats["loss_mean"], stats["loss_var"])
+    grad_mean, grad_var = moved(grad_norm.astype(jnp.float32), stats["grad_mean"], stats["grad_var"])
+    new = {"loss_mean": loss_mean, "loss_var": loss_var, "grad_mean": grad_mean, "grad_var": grad_var,
+           "count": count + 1}
+    return spike, jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, dict(stats))
 
 
 def _opt_state_shardings(abstract_opt_state, param_shardings, mesh):
@@ -82,6 +119,14 @@ class Trainer:
             if offload else self._opt_on_device,
             **self.path.extra_shardings(self.param_shardings),
         }
+        if plan.train.spikes:
+            from parallax.steps.base import StepPath
+            if type(self.path).train_step is not StepPath.train_step:
+                raise ConfigError(f"config.train.spike_policy={plan.train.spike_policy!r}: "
+                                  f"{type(self.path).__name__}'s step applies other gradients than the batch's at "
+                                  "the current weights (2bw's delayed step, DiLoCo's replicas), which the spike "
+                                  "test does not cover; set spike_policy=off")
+            self.state_shardings["spike"] = {k: replicated for k in SPIKE_STATS}
         self.batch_sharding = self.path.rows_sharding()  # rows: what each host loads
         # Per batch key: the rows' sharding, and with a pipeline the inputs only one stage reads also split
         # over `pipe`, so that only that rank receives them whole.
@@ -111,8 +156,11 @@ class Trainer:
 
     def _init_state(self, seed: int):
         params = self.init_params(seed)
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "opt_state": self.path.init_opt_state(self.tx, params), **self.path.init_extra(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": self.path.init_opt_state(self.tx, params), **self.path.init_extra(params)}
+        if self.plan.train.spikes:
+            state["spike"] = {k: jnp.zeros((), jnp.int32 if k == "count" else jnp.float32) for k in SPIKE_STATS}
+        return state
 
     def _loss_and_grads(self, params, batch):
         """Mean token loss over the global batch and its gradients, accumulated over microbatches in fp32."""
@@ -186,6 +234,11 @@ class Trainer:
         apply = finite if self.plan.train.skip_nonfinite else None
         if completed is not True:
             apply = completed if apply is None else completed & apply
+        spike_out = {}
+        if self.plan.train.spikes:
+            spike, stats = spike_test(state["spike"], loss, grad_norm, self.plan.train, applies=apply)
+            apply = ~spike if apply is None else apply & ~spike
+            spike_out = {"spike": stats}
         kept = {"params": params, "opt_state": opt_state}
         if apply is not None:
             kept = jax.tree.map(lambda a, b: jnp.where(apply, a, b), kept,
@@ -200,7 +253,9 @@ class Trainer:
             weight_total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
             model_metrics = self.plan.model_class.aux_metrics(self.plan.model_config, aux, weight_total)
             metrics["model"] = {k: jnp.asarray(v, jnp.float32) for k, v in model_metrics.items()}
-        return {"step": state["step"] + 1, **kept}, metrics
+        if spike_out:
+            metrics["spike"] = spike
+        return {"step": state["step"] + 1, **kept, **spike_out}, metrics
 
     def _eval_step(self, params, batch):
         """[weighted loss sum, weight total] of one batch, by the training loss path (forward only)."""

@@ -250,35 +250,65 @@ def test_orbax_preemption_notice_saves_and_stops(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_logs_each_step_once(tmp_path):
-    """A real SIGKILL between checkpoints: the rerun resumes at the last checkpoint and metrics.jsonl ends up
-    with every step exactly once, with no Orbax temp directory left."""
+def test_sigkill_twice_then_rerun_logs_each_step_once_and_the_goodput_adds_up(tmp_path):
+    """Two real SIGKILLs between checkpoints: each rerun resumes at the last checkpoint and metrics.jsonl ends
+    up with every step exactly once, with no Orbax temp directory left. The goodput accounts
+    (`WORKDIR/goodput.json`) add up to the wall time of the three processes measured here, and their `lost`
+    bucket holds the time of the steps each killed run logged past the checkpoint its rerun restored."""
+    from parallax import goodput
+
     workdir = str(tmp_path / "run")
     flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8",
              "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.checkpoint_every=3",
              "--config.train.eval_every=0", "--config.optim.decay_steps=1000"]
-    proc = subprocess.Popen(launcher_command("train", *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
     metrics = os.path.join(workdir, "metrics.jsonl")
 
-    def steps_logged():  # the kill may tear the last line
-        if not os.path.exists(metrics):
-            return []
-        return [r["step"] for r in read_metrics(workdir, skip_torn_line=True)]
+    def logged():  # the kill may tear the last line
+        return read_metrics(workdir, skip_torn_line=True) if os.path.exists(metrics) else []
 
-    deadline = time.time() + 180
-    while time.time() < deadline and not (len(steps_logged()) >= 5 and steps_logged()[-1] % 3):
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait(timeout=60)
-    logged = steps_logged()[-1]
-    saved = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
-    assert logged >= max(saved, default=0)  # almost always >: lines past the last checkpoint to drop
-    flags[4] = f"--config.train.steps={logged + 2}"
+    def saved():
+        directory = os.path.join(workdir, "checkpoints")
+        return max((int(n) for n in os.listdir(directory) if n.isdigit()), default=0) if os.path.isdir(
+            directory) else 0
+
+    walls, redone = [], 0.0
+    for kill in range(2):
+        start = saved()  # the step this run resumes from
+        began = time.time()
+        proc = subprocess.Popen(launcher_command("train", *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.time() + 180
+        while time.time() < deadline and not (goodput.read(workdir).get("attempts") == kill + 1 and logged()
+                                              and logged()[-1]["step"] >= start + 5 and logged()[-1]["step"] % 3):
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(timeout=60)
+        walls.append(time.time() - began)
+        records = logged()
+        assert records[-1]["step"] > saved()  # steps past the last checkpoint, for the rerun to redo
+        redone += sum(r["step_time_s"] for r in records if r["step"] > saved())
+    last = records[-1]["step"]
+    flags[4] = f"--config.train.steps={last + 2}"
+    began = time.time()
     rerun = run_launcher("train", *flags, timeout=300)
+    # Up to the accounts' last write (the file's mtime): the interpreter's exit after it (JAX's teardown, a
+    # second or two here) is after the run and not in the accounts.
+    walls.append(os.path.getmtime(os.path.join(workdir, goodput.FILE)) - began)
     assert rerun.returncode == 0, rerun.stderr
-    assert [step for step, _ in _losses(workdir)] == list(range(1, logged + 3))
+    assert [step for step, _ in _losses(workdir)] == list(range(1, last + 3))
     assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if "orbax-checkpoint-tmp" in n]
+    accounts = goodput.read(workdir)
+    buckets, wall = accounts["buckets"], accounts["wall_s"]
+    assert accounts["attempts"] == 3 and sum(buckets.values()) == pytest.approx(wall, rel=1e-9)
+    # What the accounts cannot see: each killed run's time after its last write (< a write interval + a step).
+    assert wall == pytest.approx(sum(walls), rel=0.03), (wall, walls)
+    # The steps a killed run logged but did not checkpoint are lost; up to a write interval may be missing.
+    assert redone - 2 * goodput.PERSIST_EVERY_S - 0.1 <= buckets["lost"] <= redone + 1e-6, (buckets, redone)
+    assert all(buckets[b] > 0 for b in ("productive", "compile", "checkpoint", "startup", "lost")), buckets
+    assert rerun.stdout.strip().splitlines()[-1].startswith(f"goodput {100 * buckets['productive'] / wall:.1f}% "
+                                                            f"of {wall:.1f}s over 3 attempts: productive ")
+    final = read_metrics(workdir)[-1]
+    assert final["goodput/lost_s"] == pytest.approx(buckets["lost"]) and 0 < final["goodput"] < 1
 
 
 def test_checkpointer_saves_on_the_interval_keeps_the_latest_and_restores_onto_the_abstract_state(tmp_path,

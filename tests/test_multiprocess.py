@@ -92,3 +92,27 @@ def test_two_processes_match_one_process(case, tmp_path):
     single = train_and_evaluate(config, str(tmp_path / "single"), log=lambda *_: None)
     assert [r["step"] for r in read_metrics(workdir)] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(_losses(workdir), [r["loss"] for r in single.history], rtol=1e-5)
+
+
+def test_a_hang_on_one_process_dumps_every_processs_stacks_and_both_exit_with_the_hang_status(tmp_path):
+    """Process 0 sleeps inside its 4th step (tests/hang_model.py); process 1 waits for it in the step's
+    collectives. Each watches itself (train.hang_timeout_s): both write their threads' stacks to
+    WORKDIR/hang/ and exit 4 (the first to see it waits a moment before exiting, so that its exit does not
+    turn the other's hang into a lost peer)."""
+    from parallax.errors import EXIT_HANG
+
+    workdir = tmp_path / "run"
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "PARALLAX_TEST_HANG_AT": "4"}
+    procs = [subprocess.Popen(
+        launcher_command("train", f"--config={ROOT}/tests/hang_model.py", f"--workdir={workdir}", "--cpu_devices=4",
+                         f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}",
+                         "--config.mesh.data=8", "--config.train.hang_timeout_s=3"),
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for i, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == EXIT_HANG, (i, err[-3000:])
+        assert f"on process {i}; every thread's stack in {workdir}/hang/process_{i}.txt; exit 4" in err, err[-2000:]
+    stuck, waiting = ((workdir / "hang" / f"process_{i}.txt").read_text() for i in range(2))
+    assert "in _maybe_hang" in stuck and "in _maybe_hang" not in waiting
+    assert ", step 4\n" in stuck and ", step 4\n" in waiting and "in _loop" in waiting  # blocked in the step
