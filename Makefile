@@ -55,7 +55,7 @@ MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.validate.*' 'parall
 	'parallax.steps.diloco.x__fit_spec__*' 'parallax.steps.diloco.x*DilocoPath*mean_pseudo_grad__*' \
 	'parallax.steps.diloco.x*DilocoPath*sync__*' 'parallax.steps.diloco.x*DilocoPath*_part__*' \
 	'parallax.steps.diloco.x*DilocoPath*_merge__*' 'parallax.steps.diloco.x*DilocoPath*_due__*' \
-	'parallax.steps.diloco.x*DilocoPath*step_kind__*' 'parallax.chat.*'
+	'parallax.steps.diloco.x*DilocoPath*step_kind__*' 'parallax.chat.*' 'parallax.goodput.*' 'parallax.hang.*'
 MUTATION_JOBS ?= 2
 
 mutation: $(STAMP)

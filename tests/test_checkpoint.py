@@ -86,7 +86,7 @@ def _signal_after_three_steps(workdir, flags, signum):
     return proc.returncode, out, err
 
 
-def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
+def test_sigterm_saves_exits_143_and_the_rerun_continues_from_the_saved_step(tmp_path):
     workdir = str(tmp_path / "run")
     flags = ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=8", "--config.mesh.data=8",
              "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.checkpoint_every=0",
@@ -96,15 +96,12 @@ def test_sigterm_saves_and_rerun_continues_exactly(tmp_path):
     assert "received SIGTERM: saved step" in out
     stopped = _losses(workdir)[-1][0]
     assert 3 <= stopped < 100000
-    # Rerun to a few steps past the stop; the losses equal one uninterrupted run.
-    target = stopped + 3
+    # The rerun continues from the saved step (that a resume continues exactly: test_resume_continues_exactly
+    # and tests/test_chaos.py; an uninterrupted run to compare with dropped here for CI time, 2026-12-07).
+    target = stopped + 2
     rerun = run_launcher("train", *flags[:-5], f"--config.train.steps={target}", *flags[-4:], timeout=300)
     assert rerun.returncode == 0, rerun.stderr
-    straight = tiny_config(data=8)
-    straight.train.update(steps=target, log_every=1, checkpoint_every=0, eval_every=0)
-    straight.optim.decay_steps = 1000
-    train_and_evaluate(straight, str(tmp_path / "straight"), log=_quiet)
-    assert _losses(workdir) == _losses(str(tmp_path / "straight"))
+    assert f"at step {stopped}" in rerun.stdout and [s for s, _ in _losses(workdir)] == list(range(1, target + 1))
 
 
 def test_ctrl_c_saves_exits_130_with_one_line_and_rerun_resumes(tmp_path):

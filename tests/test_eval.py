@@ -42,7 +42,11 @@ def references(tmp_path_factory):
 # Every layout with Llama; GPT-2 (its own loss: the tied head, learned positions) on the pipeline with tensor
 # inside and on tensor x seq (the other two pipelines' eval paths do not depend on the model: dropped for CI
 # time, 2026-12-07).
-CASES = [(m, layout) for m in ("llama", "gpt2") for k, layout in enumerate(LAYOUTS) if m == "llama" or k in (0, 3)]
+# Llama on each layout but pipe x fsdp (dropped for CI time, 2026-12-07: eval is the training loss path forward
+# only, and FSDP inside stages trains as one device in tests/test_pipeline_train.py); GPT-2 (learned
+# positions, a tied head) on the pipeline x tensor and the tensor x Ulysses layouts.
+CASES = [(m, layout) for m in ("llama", "gpt2") for k, layout in enumerate(LAYOUTS)
+         if (m == "llama" and k != 2) or k in (0, 3)]
 
 
 @pytest.mark.slow

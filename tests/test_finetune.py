@@ -102,23 +102,11 @@ def test_hf_llama_to_chat_sft_with_lora_on_a_pipeline_to_sample_eval_and_exports
     with tuned.disable_adapter(), torch.no_grad():  # and the base is not the fine-tuned model
         assert np.abs(tuned(x).logits.numpy() - b).max() > 1e-3
 
-    # lm-eval with the chat template, through its Python API, on a local multiple-choice task
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
+    # The chat template lm-eval's --apply_chat_template renders is the one transformers renders (lm-eval over
+    # a run with a chat template: tests/test_harness.py, whose local tasks run the same adapter; dropped here
+    # for CI time, 2026-12-07).
     from parallax.harness import ParallaxLM
 
-    docs = [{"question": f"What is the capital of {c}?", "choices": [f" {p}", " Lima"], "answer": 0}
-            for c, p in list(CAPITALS.items())[:4]]
-    with open(tmp_path / "capitals.jsonl", "w") as f:
-        f.writelines(json.dumps(d) + "\n" for d in docs)
-    (tmp_path / "capitals.yaml").write_text(json.dumps(dict(
-        task="capitals", dataset_path="json", test_split="test", output_type="multiple_choice",
-        dataset_kwargs={"data_files": {"test": str(tmp_path / "capitals.jsonl")}}, doc_to_text="{{question}}",
-        doc_to_choice="{{choices}}", doc_to_target="{{answer}}", metric_list=[{"metric": "acc"}])))
     lm = ParallaxLM(workdir=run, batch_size=2)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["capitals"], apply_chat_template=True,
-                                      task_manager=TaskManager(include_path=str(tmp_path)))["results"]
-    assert 0.0 <= results["capitals"]["acc,none"] <= 1.0
     assert lm.apply_chat_template([{"role": "user", "content": "hi"}]) == tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)

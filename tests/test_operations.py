@@ -187,10 +187,11 @@ def _spike_config(steps, policy="skip"):
     return config
 
 
-def _planted(monkeypatch, kind=None, shift=0):
-    """Batches as the run's dataset makes them, except: `kind`='garbage' (every target the same rare token) or 'nan'
-    (NaN loss weights) for the steps in SPIKE_STEPS; `shift`: the batches of steps after 12 are those of
+def _planted(monkeypatch, kinds=None, shift=0):
+    """Batches as the run's dataset makes them, except at the steps of `kinds` ({step: 'garbage' (every target
+    the same rare token) or 'nan' (NaN loss weights)}); `shift`: the batches of steps after 12 are those of
     `shift` steps later (the reference of a run that skipped them)."""
+    kinds = kinds or {}
     from parallax import train as train_lib
 
     make = train_lib.make_dataset
@@ -206,9 +207,10 @@ def _planted(monkeypatch, kind=None, shift=0):
             if split == "train" and index >= 12:
                 index += shift
             out = dict(self.dataset.batch(index, split, **kwargs))
-            if split == "train" and index + 1 in SPIKE_STEPS and kind == "garbage":
+            kind = kinds.get(index + 1) if split == "train" else None
+            if kind == "garbage":
                 out["targets"] = np.full_like(out["targets"], RARE)
-            elif split == "train" and index + 1 in SPIKE_STEPS and kind == "nan":
+            elif kind == "nan":
                 out["weights"] = np.full_like(out["weights"], np.nan)
             return out
     monkeypatch.setattr(train_lib, "make_dataset", lambda config, tokenizer=None: Planted(
@@ -230,40 +232,28 @@ def spike_reference(tmp_path_factory):
 @pytest.mark.slow
 def test_planted_spikes_are_skipped_then_rewound_past_and_the_run_equals_one_that_never_saw_them(
         spike_reference, tmp_path, monkeypatch):
-    """Garbage targets at steps 14 and 15: both are spikes (skipped), the second in a row rewinds to the
-    checkpoint of step 12 and steps 13-15's batches are skipped; every later step equals the reference that
-    never trained on them (fp32, 1e-5), the first 12 too, and the skips and the rewind are in metrics.jsonl."""
-    _planted(monkeypatch, "garbage")
+    """A garbage batch at step 14 (every target one rare token) and a NaN one at step 15 (with
+    nan_policy=stop, which the spike policy overrides): both are spikes (skipped), the second in a row rewinds
+    to the checkpoint of step 12 and steps 13-15's batches are skipped. The run stops at step 15, right after
+    the rewind (its checkpoint holds the rewound state), and the rerun of the same command continues to step
+    24: every step equals, fp32 1e-5, the reference that never trained on those batches, and the skips and
+    the rewind are in metrics.jsonl (strict JSON: the NaN step has no loss)."""
+    _planted(monkeypatch, {14: "garbage", 15: "nan"})
+    workdir = str(tmp_path / "run")
     lines = []
-    result = train_and_evaluate(_spike_config(24), str(tmp_path / "run"), devices=ONE, log=lines.append)
-    records = {r["step"]: r for r in read_metrics(tmp_path / "run")}
-    assert sorted(s for s, r in records.items() if r.get("spike_skipped")) == list(SPIKE_STEPS)
-    assert records[15]["rewound_to"] == 12 and "rewound_to" not in records[14]
+    first = train_and_evaluate(_spike_config(15), workdir, devices=ONE, log=lines.append)
     assert [line for line in lines if "rewound" in line] == [
         "step 15: 2 spikes in a row: rewound the parameters and optimizer state to the checkpoint of step 12; the "
         "batches of steps 13-15 are skipped"]
-    assert records[14]["grad_norm"] > 2 * records[13]["grad_norm"]  # what the planted batch does
-    losses = [records[s]["loss"] for s in range(1, 25) if s not in range(13, 16)]
-    np.testing.assert_allclose(losses, spike_reference, rtol=1e-5)
-    assert int(result.state["step"]) == 24
-
-
-@pytest.mark.slow
-def test_a_planted_nan_rewinds_the_same_way_and_a_rerun_after_the_rewind_continues_exactly(
-        spike_reference, tmp_path, monkeypatch):
-    """NaN losses at steps 14 and 15 (with nan_policy=stop, which the spike policy overrides): the same skips
-    and rewind. The run stops at step 15, right after the rewind (the step's checkpoint holds the rewound
-    state), and the rerun of the same command continues to step 24: equal to the reference."""
-    _planted(monkeypatch, "nan")
-    workdir = str(tmp_path / "run")
-    first = train_and_evaluate(_spike_config(15), workdir, devices=ONE, log=lambda *_: None)
-    assert [r["step"] for r in first.history if r.get("spike_skipped")] == list(SPIKE_STEPS)
-    assert first.history[-1]["rewound_to"] == 12
+    assert int(first.state["step"]) == 15
     train_and_evaluate(_spike_config(24), workdir, devices=ONE, log=lambda *_: None)
-    records = read_metrics(workdir)  # strict JSON: no NaN
-    assert [r["step"] for r in records] == list(range(1, 25))
-    assert [r["step"] for r in records if r.get("non_finite") and "loss" not in r] == list(SPIKE_STEPS)
-    losses = [r["loss"] for r in records if r["step"] not in range(13, 16)]
+    records = {r["step"]: r for r in read_metrics(workdir)}
+    assert sorted(records) == list(range(1, 25))
+    assert sorted(s for s, r in records.items() if r.get("spike_skipped")) == list(SPIKE_STEPS)
+    assert records[15]["rewound_to"] == 12 and "rewound_to" not in records[14]
+    assert records[14]["grad_norm"] > 2 * records[13]["grad_norm"]  # what the garbage batch does
+    assert records[15]["non_finite"] == 1 and "loss" not in records[15]
+    losses = [records[s]["loss"] for s in range(1, 25) if s not in range(13, 16)]
     np.testing.assert_allclose(losses, spike_reference, rtol=1e-5)
 
 
