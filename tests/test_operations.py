@@ -87,6 +87,48 @@ def test_goodput_moves_the_steps_past_the_restored_checkpoint_to_lost_and_adds_u
     assert g.line().startswith("goodput 23.5% of 25.5s over 3 attempts: productive 6.0s, compile 5.0s")
 
 
+def test_a_rewind_moves_the_thrown_away_steps_of_this_attempt_and_of_earlier_ones_to_lost(tmp_path):
+    path = epath.Path(tmp_path) / goodput_lib.FILE
+    clock = Clock(0.0)
+    g = _attempt(path, clock, start=0.0)
+    g.restored(0)
+    for step in range(1, 5):
+        g.step(step, 1.0, compiled=False)
+    g.saving(4)
+    g.step(5, 2.0, compiled=False)
+    clock.t = 10.0
+    g.persist(force=True)  # killed here: step 5 (2 s) not under a complete checkpoint
+    clock.t = 100.0
+    g = _attempt(path, clock, start=100.0)
+    g.restored(4)  # the save of 4 had completed: only step 5 is lost
+    assert g.before["lost"] == 2.0 and g.before["productive"] == 4.0
+    g.step(5, 1.0, compiled=True)
+    g.step(6, 1.0, compiled=False)
+    g.step(7, 1.0, compiled=False)
+    g.rewound(4, 7)  # back to the checkpoint of 4 at step 7: steps 5-7 of this attempt thrown away
+    assert g.now["lost"] == 3.0 and g.now["compile"] == 0.0 and g.now["productive"] == 0.0
+    assert g.before["lost"] == 2.0 and g.pending == [[7, {}, False]]
+    g.step(8, 1.0, compiled=False)
+    assert g.pending == [[7, {"productive": 1.0}, False]]
+    clock.t = 110.0
+    b = g.buckets()
+    assert (b["lost"], b["productive"], b["other"]) == (5.0, 5.0, 4.0 + 6.0) and g.wall() == 20.0
+
+
+def test_process_start_time_is_when_the_process_started(tmp_path):
+    """Read in a child process started here: between the moment before it was started and the moment it
+    printed (clock ticks: 10 ms on Linux)."""
+    import subprocess
+    import sys
+
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); "  # imported late: not its import time
+                          "from parallax.goodput import process_start_time; print(process_start_time(), time.time())"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    started, printed = float(out[0]), float(out[1])
+    assert before - 0.05 <= started <= printed - 1.0 and started - before < 0.5, (before, started, printed)
+
+
 def test_goodput_writes_at_most_every_persist_interval_and_process_start_is_before_now(tmp_path):
     path = epath.Path(tmp_path) / goodput_lib.FILE
     clock = Clock(50.0)
@@ -118,7 +160,7 @@ def test_hang_rules_on_a_moved_clock():
     assert watch.check(clock()) is None  # leaving the pause counts as progress
     watch.finished()
     clock.t = 111.0
-    assert "between steps" in watch.check(clock())
+    assert watch.check(clock()) == "nothing finished for 11.0 s (train.hang_timeout_s=10), between steps"
     # The median rule: steps of 1 s; a step is hung past max(factor x median, FLOOR_S).
     watch = HangWatch(None, timeout_s=0, factor=3, clock=clock)
     for step in range(1, MIN_STEPS + 1):
@@ -139,6 +181,60 @@ def test_hang_rules_on_a_moved_clock():
     assert watch.times == [4.0] * WINDOW  # the compiling step left out, the window kept
     watch.running(99)
     assert watch.check(clock.t + 12.0) is None and watch.check(clock.t + 12.1) is not None
+
+
+def test_hang_messages_and_the_rules_edges():
+    clock = Clock(500.0)
+    watch = HangWatch(None, timeout_s=0.5, clock=clock)  # under a second is a timeout too
+    clock.t = 501.0
+    assert watch.check(clock()) == "nothing finished for 1.0 s (train.hang_timeout_s=0.5), between steps"
+    off = HangWatch(None, timeout_s=0, factor=0, clock=clock)  # both rules off: never
+    for step in range(MIN_STEPS + 2):
+        off.running(step)
+        clock.t += 1.0
+        off.finished()
+    off.running(99)
+    assert off.check(clock.t + 1e6) is None
+    low = HangWatch(None, factor=1.5, clock=clock)  # any multiple over 1 is valid
+    for step in range(MIN_STEPS):
+        low.running(step)
+        clock.t += 10.0
+        low.finished()
+    low.running(7)
+    assert low.check(clock.t + 14.9) is None
+    assert low.check(clock.t + 15.1) == "step 7 has run 15.1 s, over train.hang_factor=1.5 x the median step 10.000 s"
+
+
+def test_the_watching_thread_reports_once_and_the_dump_holds_every_threads_stack(tmp_path):
+    import threading
+
+    fired = []
+    watch = HangWatch(tmp_path / "hang", timeout_s=0.2, process=3, on_hang=fired.append).start()
+    deadline = time.time() + 30
+    while not fired and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # it reports once, then stops watching
+    assert len(fired) == 1 and fired[0].startswith("nothing finished for 0.") and fired[0].endswith(
+        "s (train.hang_timeout_s=0.2), between steps"), fired
+    stuck = threading.Event()
+    helper = threading.Thread(target=stuck.wait, name="a-stuck-helper", daemon=True)
+    helper.start()
+    watch.dump("an earlier reason")
+    where = watch.dump("a reason")  # the directory exists now: written again
+    stuck.set()
+    assert where == str(tmp_path / "hang" / "process_3.txt")
+    text = open(where).read()
+    assert text.startswith("parallax hang on process 3: a reason\n\n") and "Current thread" in text
+    assert text.count("\nThread 0x") >= 1 and "in wait" in text  # the other threads' stacks too
+    HangWatch(None).start().stop()  # both rules off: no thread
+
+
+def test_a_dump_that_cannot_be_written_goes_to_stderr(tmp_path, capfd):
+    (tmp_path / "a_file").write_text("")
+    watch = HangWatch(tmp_path / "a_file" / "hang", timeout_s=1)
+    assert watch.dump("why") == "stderr"
+    err = capfd.readouterr().err
+    assert "Current thread" in err and "test_a_dump_that_cannot_be_written_goes_to_stderr" in err
 
 
 def test_fewer_than_min_steps_never_trip_the_median_rule():
