@@ -272,7 +272,7 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print, started: f
     checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", t.checkpoint_every, t.keep_checkpoints,
                                          async_save=t.async_checkpoint)
     sinks, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
-    close, stop = True, _StopSignals()
+    close, stop, began_training = True, _StopSignals(), False
     goodput = Goodput(workdir / GOODPUT_FILE if lead else None, start=entered if started is None else started)
     watch = HangWatch(workdir / "hang", t.hang_timeout_s, t.hang_factor, jax.process_index(), jax.process_count())
     try:
@@ -285,6 +285,7 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print, started: f
                 sinks.sinks.append(WandbWriter(workdir, t.wandb_project, t.wandb_entity, t.wandb_mode,
                                                      config.to_dict()))
         goodput.add("startup", time.time() - goodput.start - sum(goodput.now.values()))
+        began_training = True  # from here on the accounts are written (a refused run leaves the workdir as it was)
         watch.start()
         result = _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
                        lambda: stop.signum, sinks, profiler, goodput, watch)
@@ -296,6 +297,9 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print, started: f
         goodput.saved_all()
         result.goodput = goodput.buckets()
         log(goodput.line())
+        if result.preempted:  # last: what to do next
+            log(f"received {signal.Signals(result.stop_signal).name if result.stop_signal else 'a preemption notice'}"
+                f": saved step {int(result.state['step'])}; rerun the same command to continue")
         return result
     except BaseException as e:
         # With several processes, an error is most often a lost peer: closing would wait on a save whose
@@ -305,7 +309,8 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print, started: f
         raise
     finally:
         watch.stop()
-        goodput.persist(force=True)
+        if began_training:
+            goodput.persist(force=True)
         profiler.stop()
         if sinks is not None:
             sinks.close()  # flushes what was logged, also when the run failed
@@ -584,9 +589,7 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
         goodput.add("checkpoint", last - began)
         watch.progress()
         goodput.persist()
-        if preempted:
-            log(f"received {signal.Signals(signalled).name if signalled else 'a preemption notice'}: saved step "
-                f"{step}; rerun the same command to continue")
+        if preempted:  # train_and_evaluate says so, once the last save is done
             break
     return TrainResult(history=history, eval_loss=eval_loss, state=state, trainer=trainer, preempted=preempted,
                        stop_signal=signalled)
