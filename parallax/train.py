@@ -269,8 +269,11 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print, started: f
     lead = jax.process_index() == 0
     log = log if lead else (lambda *_: None)
     workdir = epath.Path(workdir)
+    local = None if not t.local_checkpoint_every else ckpt_lib.LocalTier(
+        t.local_checkpoint_dir or workdir / "local", t.local_checkpoint_every, t.local_checkpoint_keep,
+        trainer.abstract_state())
     checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", t.checkpoint_every, t.keep_checkpoints,
-                                         async_save=t.async_checkpoint)
+                                         async_save=t.async_checkpoint, local=local)
     sinks, profiler = None, _Profiler(workdir / "profile", t.profile_steps)
     close, stop, began_training = True, _StopSignals(), False
     goodput = Goodput(workdir / GOODPUT_FILE if lead else None, start=entered if started is None else started)
@@ -403,7 +406,7 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None, g
         state = checkpointer.restore(abstract, start)  # straight onto the mesh's shardings
         if goodput is not None:
             goodput.add("checkpoint", time.perf_counter() - began)
-        log(f"resumed from {checkpointer.directory} at step {start}")
+        log(f"resumed from {checkpointer.where(start)} at step {start}")
     if goodput is not None:
         goodput.restored(start or 0)
     if lead:  # only once the state is in hand: a refused resume leaves the workdir as it was

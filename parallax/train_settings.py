@@ -27,6 +27,9 @@ KEYS = dict(
     checkpoint_every=50,  # steps between checkpoints (0: only the last step and on a stop signal)
     keep_checkpoints=2,  # checkpoints kept (the oldest are deleted)
     async_checkpoint=True,  # save in the background while training goes on
+    local_checkpoint_every=0,  # the fast tier: each process's own shards to local disk every N steps (0: off)
+    local_checkpoint_keep=2,  # fast-tier steps kept per process (>= 2, so the processes always share one)
+    local_checkpoint_dir="",  # the fast tier's directory ('': WORKDIR/local); each process writes process_<i>/
     nan_policy="stop",  # stop | skip: on a non-finite loss or gradient, stop without saving, or skip the step
     spike_policy="off",  # off | skip: skip the update of a step whose loss or gradient norm is a spike
     spike_zscore=6.0,  # a spike: loss or grad_norm above its running mean by this many running std deviations
@@ -73,6 +76,9 @@ class TrainSettings:
     wandb_project: str = ""  # '' : no Weights & Biases
     wandb_entity: str = ""
     wandb_mode: str = "online"
+    local_checkpoint_every: int = 0  # parallax.checkpoint.LocalTier: 0 = off
+    local_checkpoint_keep: int = 2
+    local_checkpoint_dir: str = ""  # '': WORKDIR/local
 
     @property
     def spikes(self) -> bool:
@@ -101,9 +107,12 @@ def resolve(section) -> TrainSettings:
     for key in ("steps", "global_batch_size", "seq_len", "log_every", "keep_checkpoints", "microbatches"):
         if int(t[key]) <= 0:
             raise ConfigError(f"config.train.{key}={t[key]}: must be >= 1")
-    for key in ("eval_every", "checkpoint_every"):
+    for key in ("eval_every", "checkpoint_every", "local_checkpoint_every"):
         if int(t[key]) < 0:
             raise ConfigError(f"config.train.{key}={t[key]}: must be >= 0 (0 turns it off)")
+    if int(t.local_checkpoint_keep) < 2:
+        raise ConfigError(f"config.train.local_checkpoint_keep={t.local_checkpoint_keep}: must be >= 2 (a process "
+                          "killed mid-save holds one step fewer than the others; two kept leave one they share)")
     if t.eval_every and t.eval_batches <= 0:
         raise ConfigError(f"config.train.eval_batches={t.eval_batches}: must be >= 1 when eval_every > 0")
     profile = tuple(t.profile_steps)
@@ -147,7 +156,9 @@ def resolve(section) -> TrainSettings:
         spike_window=int(t.spike_window), spike_rewind_after=int(t.spike_rewind_after),
         hang_timeout_s=float(t.hang_timeout_s), hang_factor=float(t.hang_factor),
         sample_tokens=int(t.sample_tokens), profile_steps=profile,
-        wandb_project=str(t.wandb_project), wandb_entity=str(t.wandb_entity), wandb_mode=str(t.wandb_mode))
+        wandb_project=str(t.wandb_project), wandb_entity=str(t.wandb_entity), wandb_mode=str(t.wandb_mode),
+        local_checkpoint_every=int(t.local_checkpoint_every), local_checkpoint_keep=int(t.local_checkpoint_keep),
+        local_checkpoint_dir=str(t.local_checkpoint_dir))
 
 
 def check_batch(train: TrainSettings, data_parallel: int) -> None:

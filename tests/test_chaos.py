@@ -1,16 +1,23 @@
-"""Kill safety: a run SIGKILLed at random moments and rerun each time ends bitwise equal to one that never was.
+"""Kill safety with tiered checkpoints: two processes SIGKILLed at random moments and rerun each time end
+bitwise equal to a run that never was.
 
-`launch/train.py` runs as a subprocess on 2 CPU devices (fsdp=2) with an async checkpoint after every step,
-so a kill lands during a step, during an async save, or between them. After each kill the same command is
-rerun; 4 kills (delays from a fixed seed) and a final rerun to the end. The final parameters and optimizer
-state (restored from both runs' last checkpoints) must be bitwise equal to an uninterrupted run's, as must
-every step's loss, grad_norm and lr in `metrics.jsonl` (each step exactly once), and no Orbax temp
-directory may be left behind.
+`launch/train.py` runs as two processes on localhost (gloo), one CPU device each, the state sharded over
+both (fsdp=2), with the local tier every step (`train.local_checkpoint_every=1`: each process's own shards
+to its own directory) and the persistent tier (Orbax) every 10 steps. Both processes are killed together
+(what a scheduler's kill or a lost job does), `KILLS` times after delays from a fixed seed, so a kill lands
+during a step, during a local or persistent save, or between them; before one rerun process 1's local tier
+is wiped (a replaced machine), so the processes share no local step and that rerun must resume from the
+persistent tier. Each rerun must resume from the newest step both processes hold; every step's loss,
+grad_norm and lr in `metrics.jsonl` (each step exactly once) and the final parameters and optimizer state
+must be bitwise equal to an uninterrupted run's. The steps each kill cost with and without the local tier
+(the newest persistent step on disk at the kill) are printed.
 """
 
 import os
 import random
 import re
+import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -19,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT, launcher_command, read_metrics, run_launcher, tiny_config
+from helpers import ROOT, launcher_command, read_metrics, tiny_config
 from parallax.checkpoint import Checkpointer
 from parallax.train import train_and_evaluate
 from parallax.trainer import Trainer
@@ -27,18 +34,25 @@ from parallax.trainer import Trainer
 # Real processes with heartbeats and deadlines: run alone, after the parallel part of `make test`.
 pytestmark = pytest.mark.serial
 
-PROGRESS = re.compile(r"\] +\d+% step \d+/")  # a progress line: a step has run (not "resumed from ... step N")
-STEPS, KILLS, SEED = 60, 4, 1234  # 4 kills x at most ~8 steps each (0.1 s/step) stay short of STEPS (5 until
-# 2026-12-07: one kill fewer for CI time; tests/test_checkpoint.py kills twice more, with goodput)
-DEVICES = 2
-OVERRIDES = {"mesh.data": 1, "mesh.fsdp": DEVICES, "train.steps": STEPS, "train.log_every": 1,
-             "train.checkpoint_every": 1, "train.keep_checkpoints": 2, "train.async_checkpoint": True,
+PROGRESS = re.compile(r"\] +\d+% step (\d+)/")  # a progress line: a step has run (not "resumed from ...")
+RESUMED = re.compile(r"resumed from (\S+).* at step (\d+)")
+STEPS, KILLS, WIPE_BEFORE, SEED = 120, 4, 2, 1234  # process 1's local tier wiped before the rerun after kill 2
+PERSIST = 10
+OVERRIDES = {"mesh.data": 1, "mesh.fsdp": 2, "train.steps": STEPS, "train.log_every": 1,
+             "train.checkpoint_every": PERSIST, "train.keep_checkpoints": 2, "train.async_checkpoint": True,
+             "train.local_checkpoint_every": 1, "train.local_checkpoint_keep": 2,
              "train.eval_every": 0, "optim.decay_steps": 1000, "optim.warmup_steps": 3}
 
 
-def _flags(workdir):
-    return ["--config=configs/tiny.py", f"--workdir={workdir}", f"--cpu_devices={DEVICES}",
-            *[f"--config.{k}={v}" for k, v in OVERRIDES.items()]]
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _flags(workdir, port, i):
+    return ["--config=configs/tiny.py", f"--workdir={workdir}", "--cpu_devices=1", f"--coordinator=localhost:{port}",
+            "--num_processes=2", f"--process_id={i}", *[f"--config.{k}={v}" for k, v in OVERRIDES.items()]]
 
 
 def _config():
@@ -49,59 +63,92 @@ def _config():
     return config
 
 
-def _run_and_kill(workdir, delay):
-    """Starts the run; `delay` seconds after its first progress line (training has resumed and the first
-    step compiled) SIGKILLs it. Returns (killed, the temp dirs the kill left, the step it printed last)."""
-    proc = subprocess.Popen(launcher_command("train", *_flags(workdir), unbuffered=True), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    started, lines = threading.Event(), []
+def _persistent(workdir) -> int:
+    """The newest complete step of the persistent tier (Orbax's step directories; temp ones excluded)."""
+    directory = os.path.join(workdir, "checkpoints")
+    return max((int(n) for n in os.listdir(directory) if n.isdigit()), default=0) if os.path.isdir(directory) else 0
 
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if PROGRESS.search(line):
+
+def _run(workdir, delay=None):
+    """Starts both processes; `delay` seconds after process 0's first progress line (training resumed and
+    the first step compiled) SIGKILLs both (None: runs them to the end). Returns (killed, process 0's
+    output, the persistent tier's newest step after the kill, the local steps both processes hold then)."""
+    port = _free_port()
+    procs = [subprocess.Popen(launcher_command("train", *_flags(workdir, port, i), unbuffered=True), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    started, lines = threading.Event(), [[], []]
+
+    def read(i):
+        for line in procs[i].stdout:
+            lines[i].append(line)
+            if i == 0 and PROGRESS.search(line):
                 started.set()
         started.set()  # exited (finished, or crashed: the returncode says which)
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for reader in readers:
+        reader.start()
+    killed, persistent, shared = False, None, set()
     try:
-        assert started.wait(timeout=300), "no progress line within 300 s"
-        time.sleep(delay)
-        killed = proc.poll() is None
-        proc.kill()
-        proc.wait(timeout=60)
+        if delay is not None:
+            assert started.wait(timeout=300), "no progress line within 300 s"
+            time.sleep(delay)
+            killed = procs[0].poll() is None
+            for proc in procs:
+                proc.kill()
+        for proc in procs:
+            proc.wait(timeout=300)
+        if delay is not None:  # what the kill left: the newest persistent step, the local steps both hold
+            persistent, shared = _persistent(workdir), _steps(workdir, 0) & _steps(workdir, 1)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=10)
-    assert killed or proc.returncode == 0, "".join(lines)[-3000:]
-    ckpts = os.path.join(workdir, "checkpoints")
-    temps = [n for n in os.listdir(ckpts) if "tmp" in n] if os.path.isdir(ckpts) else []
-    return killed, temps
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for reader in readers:
+        reader.join(timeout=10)
+    if delay is None or not killed:
+        assert all(p.returncode == 0 for p in procs), "".join(lines[0] + lines[1])[-4000:]
+    return killed, "".join(lines[0]), persistent, shared
+
+
+def _steps(workdir, i) -> set:
+    """The complete steps of process i's local tier (a step directory is renamed into place when whole)."""
+    directory = os.path.join(workdir, "local", f"process_{i}")
+    return {int(n) for n in os.listdir(directory) if n.isdigit()} if os.path.isdir(directory) else set()
 
 
 @pytest.mark.slow
-def test_random_sigkills_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+def test_random_sigkills_of_two_processes_resume_from_the_newest_tier_and_end_bitwise_equal(tmp_path):
     t0 = time.time()
     workdir = str(tmp_path / "chaos")
     rng = random.Random(SEED)
-    kills, mid_save = 0, 0
-    for _ in range(KILLS):
-        delay = rng.uniform(0.0, 0.8)
-        killed, temps = _run_and_kill(workdir, delay)
-        kills += killed
-        print(f"kill {kills} after {delay:.2f} s: left {temps or 'no temp dir'}; last logged step "
-              f"{read_metrics(workdir)[-1]['step']}")
-        mid_save += bool(temps)
-    final = run_launcher("train", *_flags(workdir), timeout=300, unbuffered=True)
-    assert final.returncode == 0, final.stderr[-3000:]
-    print(f"{kills} kills ({mid_save} left an unfinished async save behind), chaos runs {time.time() - t0:.0f} s")
-    assert kills == KILLS, "a run finished before it was killed: raise STEPS"
+    kills, at_kill = 0, []  # per kill: (last logged step, the persistent tier's newest step, the local ones shared)
+    for k in range(KILLS + 1):
+        if k == WIPE_BEFORE:
+            shutil.rmtree(os.path.join(workdir, "local", "process_1"))
+            at_kill[-1] = at_kill[-1][:2] + (set(),)
+        delay = rng.uniform(0.3, 2.5) if k < KILLS else None
+        killed, out, persistent, shared = _run(workdir, delay)
+        if k:  # the newest step of either tier that both processes hold (none: a fresh start)
+            logged, persistent_then, shared_then = at_kill[-1]
+            want = max([persistent_then, *shared_then])
+            found = RESUMED.search(out)
+            where, step = (found.group(1), int(found.group(2))) if found else ("nowhere", 0)
+            print(f"kill {k}: last logged step {logged}; resumed from step {step} ({where}); the persistent tier "
+                  f"alone held step {persistent_then}: {logged - step} steps redone, {logged - persistent_then} "
+                  f"without the local tier{' (process 1 local tier wiped)' if k == WIPE_BEFORE else ''}")
+            assert step == want, (step, want, out[-3000:])
+            tier = "/checkpoints" if want == persistent_then else "/local/process_0"
+            assert step == 0 or where.endswith(tier), (where, tier)
+        if delay is not None:
+            assert killed, "the run finished before it was killed: raise STEPS"
+            kills += 1
+            at_kill.append((read_metrics(workdir, skip_torn_line=True)[-1]["step"], persistent, shared))
+    print(f"chaos runs {time.time() - t0:.0f} s")
 
-    devices = jax.devices()[:DEVICES]
     straight = str(tmp_path / "straight")
+    devices = jax.devices()[:2]
     config = _config()
-    config.train.checkpoint_every = 0  # saves do not change the math; the last step is saved regardless
+    config.train.update(checkpoint_every=0, local_checkpoint_every=0)  # saves do not change the math
     reference = train_and_evaluate(config, straight, devices=devices, log=lambda *_: None)
 
     got, want = read_metrics(workdir), read_metrics(straight)

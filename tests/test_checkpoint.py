@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -31,21 +32,36 @@ def _quiet(*_):
 
 
 def test_resume_continues_exactly(tmp_path, monkeypatch):
+    """Also the local checkpoint tier: the newest step of either tier is restored (the local step 4 over the
+    persistent 3), onto host memory (`offload_state`) too; and a local step written on another mesh is
+    never restored (the persistent tier's is) and is deleted."""
     monkeypatch.chdir(tmp_path)  # relative workdirs, as `make train` passes them
     straight, resumed = "straight", "resumed"
     train_and_evaluate(_config(6), straight, log=_quiet)
-    train_and_evaluate(_config(3), resumed, log=_quiet)
+    config = _config(5)
+    config.train.local_checkpoint_every = 1
+    train_and_evaluate(config, resumed, log=_quiet)  # persistent: 3, 5 (the last); local: 2, 4
+    assert sorted(os.listdir("resumed/local/process_0")) == ["2", "4"]
+    shutil.rmtree("resumed/checkpoints/5")  # as if killed after step 4's local save
     lines = []
     config = _config(6)
+    config.train.local_checkpoint_every = 1
     config.optim.offload_state = True  # restored into host memory; the same numbers
     result = train_and_evaluate(config, resumed, log=lines.append)
     from parallax.trainer import Trainer
     kinds = {s.memory_kind for s in jax.tree.leaves(Trainer(config).state_shardings["opt_state"])}
     assert kinds == {"pinned_host"}, kinds
-    assert any("resumed" in line and "step 3" in line for line in lines)
-    assert [r["step"] for r in result.history] == [4, 5, 6]
+    assert f"resumed from {tmp_path}/resumed/local/process_0 (the local tier) at step 4" in lines
+    assert [r["step"] for r in result.history] == [5, 6]
     assert _losses(resumed) == _losses(straight)
     assert len(_losses(straight)) == 6
+    assert sorted(os.listdir("resumed/local/process_0")) == ["4", "5"]  # 6, the last, is persistent
+    shutil.rmtree("resumed/checkpoints/6")
+    config.mesh.update(data=8, fsdp=1)  # another layout: local step 5 is not this mesh's
+    lines.clear()
+    train_and_evaluate(config, resumed, log=lines.append)
+    assert f"resumed from {tmp_path}/resumed/checkpoints at step 3" in lines
+    assert sorted(os.listdir("resumed/local/process_0")) == ["4", "5"]  # this run's own, from step 3 on
 
 
 def test_resume_refuses_a_changed_run(tmp_path):

@@ -360,8 +360,10 @@ def test_planted_spikes_are_skipped_then_rewound_past_and_the_run_equals_one_tha
     ("spike_rewind_after", -1, r"config.train.spike_rewind_after=-1: must be >= 0 \(0: never rewind\)"),
     ("hang_timeout_s", -1.0, r"config.train.hang_timeout_s=-1.0: must be >= 0 \(0 turns it off\)"),
     ("hang_factor", 1.0, r"config.train.hang_factor=1.0: a multiple of the median step, so over 1"),
+    ("local_checkpoint_every", -1, r"config.train.local_checkpoint_every=-1: must be >= 0 \(0 turns it off\)"),
+    ("local_checkpoint_keep", 1, r"config.train.local_checkpoint_keep=1: must be >= 2 \(a process killed"),
 ])
-def test_bad_spike_and_hang_settings_are_one_line_naming_the_key(key, value, message):
+def test_bad_spike_hang_and_local_tier_settings_are_one_line_naming_the_key(key, value, message):
     from parallax import train_settings
     from parallax.errors import ConfigError
 
