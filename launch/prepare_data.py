@@ -36,6 +36,7 @@ flags.DEFINE_bool("progress", True, "Show a progress bar (tokens/s, ETA).")
 
 
 def main(_):
+    from parallax import remote
     from parallax.errors import ConfigError
     from parallax.prepare import prepare
 
@@ -43,9 +44,16 @@ def main(_):
     try:
         if not FLAGS.output:
             raise ConfigError("--output is required, e.g. --output=runs/shards")
-        prepare(FLAGS.inputs, FLAGS.output, FLAGS.tokenizer, workers=FLAGS.workers, shard_mb=FLAGS.shard_mb,
+        output, fs = FLAGS.output, None
+        if remote.is_remote(output):  # prepared in the local copy, then uploaded
+            fs = remote.filesystem(output, "--output")
+            output = remote.local_path(output)
+        prepare(FLAGS.inputs, output, FLAGS.tokenizer, workers=FLAGS.workers, shard_mb=FLAGS.shard_mb,
                 text_field=FLAGS.text_field, chat_template=FLAGS.chat_template, loss_on=FLAGS.loss_on,
                 overwrite=FLAGS.overwrite, progress=FLAGS.progress)
+        if fs is not None:
+            sent = remote.upload_tree(fs, output, FLAGS.output)
+            print(f"uploaded {sent} files to {FLAGS.output}")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

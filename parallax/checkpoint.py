@@ -22,6 +22,7 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
 
+from parallax import remote
 from parallax.errors import ConfigError
 
 
@@ -68,6 +69,8 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=cleanup,
             create=cleanup,  # a reader of a run with no checkpoint yet leaves no empty directory behind
+            # a workdir mirrored to a bucket: pruned steps are renamed away at once, not deleted under an upload
+            todelete_subdir=remote.TRASH if remote.is_mirrored(self.directory) else None,
         )
         with _quiet():
             self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -22,6 +22,10 @@ def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
     from parallax.errors import ConfigError
     from parallax.trainer import Trainer
 
+    from parallax import remote
+
+    if remote.is_remote(workdir):  # the run's local copy, brought up to date from the bucket
+        workdir = remote.Mirror(str(workdir)).pull()
     path = epath.Path(workdir) / "config.json"
     if not path.exists():
         raise ConfigError(f"--workdir={workdir}: no config.json there; train first (make train)")

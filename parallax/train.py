@@ -28,6 +28,7 @@ from parallax import checkpoint as ckpt_lib
 from parallax import data as data_lib
 from parallax import lora
 from parallax import mesh as mesh_lib
+from parallax import remote
 from parallax import dpo_settings, optim, preference
 from parallax import steps
 from parallax import corpus as shard_lib
@@ -97,6 +98,8 @@ def resolve_data(config):
     (from 0: the tokenizer's ids rounded up to a multiple of 128); a value that disagrees
     with the tokenizer is a one-line ConfigError. Returns (config, tokenizer or None); `config` is a copy."""
     config = copy.deepcopy(config)
+    if "://" in str(config.data.path):  # a corpus in a bucket: read from a local copy (parallax/remote.py)
+        config.data.path = remote.localize_paths(config.data.path, "config.data.path")
     tok = run_tokenizer(config)
     d, m = config.data, config.model
     if tok is None:
@@ -262,6 +265,14 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print, started: f
     process's start), else now.
     """
     entered = time.time()
+    if remote.is_remote(workdir):  # run from a local copy that a thread uploads (parallax/remote.py)
+        mirror = remote.Mirror(str(workdir))
+        mirror.pull(log if jax.process_index() == 0 else None)
+        mirror.start()
+        try:
+            return train_and_evaluate(config, mirror.local, devices, log, started=entered if started is None else started)
+        finally:
+            mirror.close()
     config, tokenizer = resolve_data(config)
     trainer = Trainer(config, devices)
     dataset = make_dataset(config, tokenizer)
