@@ -225,13 +225,59 @@ def check_resume(config, saved_json: str) -> None:
                               f"optim.decay_steps={horizon} to extend the run with the same LR schedule")
 
 
-def _stop_signal(signum: int) -> int:
-    """The stop signal any host received (the largest number, so SIGTERM wins over SIGINT), on every host:
-    hosts must stop at the same step. 0: none."""
+def _stop_signal(signum: int, request: int = 0) -> tuple[int, int]:
+    """(the stop signal any host received (the largest number, so SIGTERM wins over SIGINT), the rewind
+    request any host read (`_RewindRequests.poll`)), the same on every host: hosts must stop, and rewind,
+    at the same step. 0: none. One collective for both."""
     if jax.process_count() == 1:
-        return signum
+        return signum, request
     from jax.experimental import multihost_utils
-    return int(multihost_utils.process_allgather(np.int32(signum)).max())
+    agreed = np.asarray(multihost_utils.process_allgather(np.array([signum, request], np.int32))).reshape(-1, 2)
+    return int(agreed[:, 0].max()), int(agreed[:, 1].max())
+
+
+REWIND_FILE = "REWIND"
+
+
+class _RewindRequests:
+    """A rewind on request: an operator writes `WORKDIR/REWIND` (empty: back to the newest checkpoint; a
+    step N: to the newest checkpoint at or before N), and after the step in progress every process restores
+    it, keeping the step count (the batches in between are skipped, as after a spike rewind). The file is
+    then renamed `REWIND.done` (`.rejected` if it does not hold a step). `poll` encodes a request for the
+    hosts' agreement: 0 none, 1 the newest checkpoint, N + 2 the newest at or before N."""
+
+    def __init__(self, path, lead: bool, log):
+        self.path, self.lead, self.log, self.seen = path, lead, log, None
+
+    def poll(self) -> int:
+        if self.path is None:
+            return 0
+        try:
+            stat = os.stat(str(self.path))
+            text = epath.Path(self.path).read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        if (stat.st_mtime_ns, stat.st_size) == self.seen:  # handled (another host may not have renamed it yet)
+            return 0
+        self.seen = (stat.st_mtime_ns, stat.st_size)
+        if not text:
+            return 1
+        if text.isdigit():
+            return int(text) + 2
+        self.log(f"{self.path}: {text[:40]!r} is not a step; write a step number (the newest checkpoint at or "
+                 "before it) or nothing (the newest checkpoint); ignored")
+        self._retire(".rejected")
+        return 0
+
+    def done(self) -> None:
+        self._retire(".done")
+
+    def _retire(self, suffix) -> None:
+        if self.lead:
+            try:
+                os.replace(str(self.path), str(self.path) + suffix)
+            except FileNotFoundError:
+                pass
 
 
 class _StopSignals:
@@ -302,7 +348,8 @@ def train_and_evaluate(config, workdir: str, devices=None, log=print, started: f
         began_training = True  # from here on the accounts are written (a refused run leaves the workdir as it was)
         watch.start()
         result = _loop(trainer, dataset, checkpointer, state, workdir / "metrics.jsonl" if lead else None, log,
-                       lambda: stop.signum, sinks, profiler, goodput, watch)
+                       lambda: stop.signum, sinks, profiler, goodput, watch,
+                       _RewindRequests(workdir / REWIND_FILE, lead, log))
         watch.stop()
         began = time.perf_counter()
         close = False
@@ -500,10 +547,12 @@ def _truncate_metrics(path, step: int) -> None:
 
 
 def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_requested, sinks=None,
-          profiler=None, goodput=None, watch=None) -> TrainResult:
+          profiler=None, goodput=None, watch=None, requests=None) -> TrainResult:
     """The steps from `state`'s to `train.steps`. `goodput` (`parallax.goodput`) is told where the time goes,
-    `watch` (`parallax.hang`) when a step runs and when anything finishes."""
+    `watch` (`parallax.hang`) when a step runs and when anything finishes, `requests` (`_RewindRequests`)
+    whether an operator asked for a rewind."""
     t = trainer.plan.train
+    requests = requests or _RewindRequests(None, False, log)
     goodput = goodput or Goodput()
     watch = watch or HangWatch(None)
     speed = throughput(trainer.plan, trainer.mesh)
@@ -594,7 +643,17 @@ def _loop(trainer, dataset, checkpointer, state, metrics_path, log, stop_request
                 sinks.write(record)
             eta = (time.perf_counter() - run_start) / (step - first_step) * (t.steps - step)
             log(_progress_line(record, t.steps, eta))
-        signalled = _stop_signal(stop_requested())
+        signalled, request = _stop_signal(stop_requested(), requests.poll())
+        if request:  # every host read it: back to a checkpoint (parallax/train.py `_RewindRequests`)
+            began = time.perf_counter()
+            with watch.paused():
+                target = step if request == 1 else request - 2
+                state, rewound = _rewind(trainer, checkpointer, state, step, target + 1, log,
+                                         f"a rewind requested in {requests.path}")
+            goodput.add("checkpoint", time.perf_counter() - began)
+            if rewound is not None:
+                goodput.rewound(rewound, step)
+            requests.done()
         preempted = bool(signalled) or checkpointer.reached_preemption(step)  # Orbax's policy saves this step
         began = time.perf_counter()
         if checkpointer.maybe_save(step, state, force=step == t.steps or preempted):
@@ -615,21 +674,21 @@ def _spike_line(step, metrics, streak) -> str:
     return f"step {step}: spike ({what}); update skipped (train.spike_policy=skip), {streak} in a row"
 
 
-def _rewind(trainer, checkpointer, state, step, first_spike, log):
+def _rewind(trainer, checkpointer, state, step, first_spike, log, why=None):
     """The state of the last checkpoint saved before step `first_spike` (or the oldest kept), with the step
     count of `step`: the parameters and optimizer state go back, the batches after the checkpoint up to
     `step` are skipped (the data position is the step). Returns (state, the checkpoint's step), or (state,
-    None) when no checkpoint is saved yet."""
+    None) when no checkpoint is saved yet. `why`: what asked (default: the spike policy)."""
+    why = why or f"{trainer.plan.train.spike_rewind_after} spikes in a row"
     saved = checkpointer.complete_steps()
     if not saved:
-        log(f"step {step}: {trainer.plan.train.spike_rewind_after} spikes in a row, but no checkpoint to rewind "
-            "to yet; skipping on")
+        log(f"step {step}: {why}, but no checkpoint to rewind to yet; going on")
         return state, None
     before = [s for s in saved if s < first_spike]
     target = max(before) if before else min(saved)
     restored = checkpointer.restore(trainer.abstract_state(), target)
     restored["step"] = state["step"]
-    log(f"step {step}: {trainer.plan.train.spike_rewind_after} spikes in a row: rewound the parameters and "
+    log(f"step {step}: {why}: rewound the parameters and "
         f"optimizer state to the checkpoint of step {target}{'' if before else ' (the oldest kept)'}; the batches "
         f"of steps {target + 1}-{step} are skipped")
     return restored, target

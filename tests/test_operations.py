@@ -385,3 +385,31 @@ def test_the_spike_policy_is_refused_where_the_step_applies_other_gradients_than
     with pytest.raises(ConfigError, match=r"config.train.spike_policy='skip': SteadyPipelinePath's step applies "
                                           r"other gradients .*; set spike_policy=off"):
         shape_check(config, 8)
+
+
+def test_a_rewind_requested_by_file_goes_back_to_the_checkpoint_and_skips_the_batches_since(
+        spike_reference, tmp_path):
+    """An operator writes `WORKDIR/REWIND` with step 12 while step 15 runs (no spike policy): after it the run
+    restores the newest checkpoint at or before 12 (step 12 itself), keeps the step count, and from step 16 on equals,
+    fp32 1e-5, the reference that never trained on the batches of steps 13-15; the file is renamed
+    REWIND.done. A file that names no step is one line and renamed REWIND.rejected."""
+    workdir = tmp_path / "run"
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if "step 15/" in line:
+            (workdir / "REWIND").write_text("12\n")  # a checkpoint's own step: at or before it is itself
+        if "step 18/" in line:
+            (workdir / "REWIND").write_text("soon")
+    train_and_evaluate(_spike_config(24, "off"), str(workdir), devices=ONE, log=log)
+    assert [line for line in lines if "rewound" in line] == [
+        f"step 15: a rewind requested in {workdir}/REWIND: rewound the parameters and optimizer state to the "
+        "checkpoint of step 12; the batches of steps 13-15 are skipped"]
+    assert f"{workdir}/REWIND: 'soon' is not a step; write a step number (the newest checkpoint at or before it) " \
+           "or nothing (the newest checkpoint); ignored" in lines
+    assert (workdir / "REWIND.done").read_text() == "12\n" and (workdir / "REWIND.rejected").exists()
+    assert not (workdir / "REWIND").exists()
+    records = {r["step"]: r for r in read_metrics(workdir)}
+    losses = [records[s]["loss"] for s in range(1, 25) if s not in range(13, 16)]
+    np.testing.assert_allclose(losses, spike_reference, rtol=1e-5)
