@@ -82,7 +82,7 @@ def filesystem(url: str, what: str):
     options = {}
     if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
         options["token"] = "anon"  # an emulator (gcsfs reads STORAGE_EMULATOR_HOST) takes no credentials
-    fs = fsspec.filesystem(scheme, **options)
+    fs = fsspec.filesystem(scheme, skip_instance_cache=True, **options)  # credentials as they are now
     bucket = str(url).split("://", 1)[1].split("/", 1)[0]
     if not bucket:
         raise ConfigError(f"{what}={url}: no bucket in the URL; expected {scheme}://BUCKET/PATH")

@@ -547,7 +547,7 @@ def test_layer_has_two_all_to_alls_each_way_and_never_gathers_experts(mesh, chun
 
 # --- aux-loss-free balancing ------------------------------------------------------------------------------
 
-def _train_loads(bias_rate, steps=200):
+def _train_loads(bias_rate, steps=100):
     config = moe_config(capacity_factor=2.0)
     config.model.moe.update(router="sigmoid", balance_weight=0.0, z_weight=0.0, bias_rate=bias_rate)
     config.train.update(steps=steps, seed=0)
@@ -563,14 +563,15 @@ def _train_loads(bias_rate, steps=200):
 
 @pytest.mark.slow
 def test_bias_balancing_lowers_load_cv():
-    """moe_tiny, sigmoid router, no aux losses, 200 steps: the bias (rate 1e-3) cuts the load's
-    coefficient of variation over experts (measured 0.247 -> 0.165; sampling noise alone is ~0.09)."""
+    """moe_tiny, sigmoid router, no aux losses, 100 steps: the bias (rate 1e-3) cuts the load's
+    coefficient of variation over experts over the last 25 (measured 0.287 -> 0.188; at 200 steps over the
+    last 50, 0.247 -> 0.165; sampling noise alone is ~0.09). 100 steps since 2026-12-07, for CI time."""
     plain, plain_bias = _train_loads(0.0)
     balanced, bias = _train_loads(1e-3)
-    print(f"load cv over the last 50 steps: {plain[-50:].mean():.3f} without, {balanced[-50:].mean():.3f} with bias")
+    print(f"load cv over the last 25 steps: {plain[-25:].mean():.3f} without, {balanced[-25:].mean():.3f} with bias")
     assert (plain_bias == 0).all()  # the optimizer never moves the bias
     assert np.abs(bias).max() > 0
-    assert balanced[-50:].mean() < 0.8 * plain[-50:].mean()
+    assert balanced[-25:].mean() < 0.8 * plain[-25:].mean()
 
 
 def test_moe_metrics_reach_metrics_jsonl(tmp_path):

@@ -96,9 +96,10 @@ def test_prepare_train_kill_lose_the_disk_resume_and_sample_all_in_a_bucket(s3, 
     assert f"run/checkpoints/{steps}/{remote.MARKER}" in _keys(s3, "run/checkpoints/")  # the last step, uploaded
     assert {"run/config.json", "run/metrics.jsonl", "run/goodput.json"} <= set(_keys(s3, "run/"))
 
-    shutil.rmtree(remote.local_path("s3://runs"))  # sampling on yet another machine
-    sample = run_launcher("sample", "--workdir=s3://runs/run", "--tokens=4", "--prompt=The ", timeout=300)
-    assert sample.returncode == 0 and sample.stdout.startswith(f"step {steps} sample"), sample.stderr[-2000:]
+    shutil.rmtree(remote.local_path("s3://runs"))  # sampling on yet another machine (launch/sample.py's function)
+    from parallax.sample import sample_from_workdir
+
+    assert sample_from_workdir("s3://runs/run", "The ", num_tokens=4).startswith(f"step {steps} sample")
 
     logged = read_metrics(remote.local_path("s3://runs/run"))  # the bucket's metrics.jsonl, pulled by sample
     config = tiny_config(data=2)
@@ -128,11 +129,14 @@ def test_a_missing_bucket_or_credentials_is_one_line_before_anything_is_written(
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "config error: --output=s3://no-such-bucket/corpus: bucket 'no-such-bucket' does not exist (or these "
         "credentials cannot see it); create it or fix the URL"], out.stderr
-    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    out = run_launcher("sample", "--workdir=s3://runs/run", env=env, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "config error: --workdir=s3://runs/run: no credentials for s3:// (NoCredentialsError); set "
-        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"], out.stderr
+    from parallax.sample import sample_from_workdir
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        with pytest.raises(ConfigError, match=r"^--workdir=s3://runs/run: no credentials for s3:// "
+                                              r"\(NoCredentialsError\); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+            sample_from_workdir("s3://runs/run", "The ")
     with pytest.raises(ConfigError, match=r"config.data.path=s3://runs/nothing-here: nothing there; prepare"):
         remote.localize_paths("s3://runs/nothing-here", "config.data.path")
     with pytest.raises(ConfigError, match=r"--workdir=ftp://x/y: only gs:// and s3:// URLs"):
