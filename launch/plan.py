@@ -27,6 +27,10 @@ flags.DEFINE_string("topology", None, "A TPU slice to compile for instead, e.g. 
                     "v6e:2x2 (needs libtpu: pip install -e '.[tpu]').")
 flags.DEFINE_float("hbm_gib", None, "Memory per device, GiB (default: the --topology chip's HBM, else 80: an "
                    "80 GB GPU).")
+flags.DEFINE_string("chip", None, "Estimate the step time on this chip (v5p, v5e, v6e, h100, h200; default: the "
+                    "--topology chip): compute at its peak, memory at its HBM bandwidth, collectives at its links.")
+flags.DEFINE_list("dcn_axes", [], "Mesh axes whose collectives cross slices or nodes, priced at the data-center "
+                  "network's bandwidth in the estimate (e.g. replica,data).")
 FLAGS = flags.FLAGS
 
 
@@ -95,6 +99,21 @@ def main(argv, overrides):
                 raise ConfigError(f"--topology={FLAGS.topology}: no HBM size known for this generation (known: "
                                   f"{', '.join(TPU_HBM_GIB)}); pass --hbm_gib")
         hbm_gib = 80.0 if hbm_gib is None else hbm_gib
+        from parallax.estimate import CHIPS, estimate
+
+        chip = FLAGS.chip or (tpu_generation(FLAGS.topology) if FLAGS.topology else None)
+        chip = chip if FLAGS.chip or chip in CHIPS else None  # a TPU generation without figures: no estimate
+        if chip is not None:  # the flags' errors before the compile
+            from parallax.cost import StepCosts
+
+            unknown = set(FLAGS.dcn_axes) - set(config.mesh)
+            if unknown:
+                raise ConfigError(f"--dcn_axes={','.join(FLAGS.dcn_axes)}: {sorted(unknown)[0]!r} is not a mesh "
+                                  f"axis ({', '.join(config.mesh)})")
+            estimate(StepCosts(), chip, FLAGS.dcn_axes)
+        elif FLAGS.dcn_axes:
+            raise ConfigError(f"--dcn_axes={','.join(FLAGS.dcn_axes)}: prices collectives in the step-time estimate, "
+                              "which needs --chip (or a --topology with known figures)")
         report = memory_report(config, devices)
     except ConfigError as e:
         _config_exit(e)
@@ -110,6 +129,8 @@ def main(argv, overrides):
     from parallax.cost import describe
 
     print("\n".join(describe(report.costs)))
+    if chip is not None:
+        print("\n".join(estimate(report.costs, chip, FLAGS.dcn_axes, int8=config.quant.mode != "none").lines()))
     if config.quant.mode != "none":
         print(f"quant: {config.quant.mode} (the layers' projections on 8-bit operands; FSDP weight gathers "
               f"{'in 8 bits' if config.quant.gather else 'in the compute dtype'})")

@@ -43,9 +43,14 @@ def _plan(*args):
 
 def test_plan_says_whether_it_fits_on_the_last_line_and_in_the_exit_status():
     args = [f"--config={ROOT}/configs/tiny.py", "--config.mesh.data=2", "--config.mesh.fsdp=2"]
-    fits = _plan(*args, "--hbm_gib=1")
+    fits = _plan(*args, "--hbm_gib=1", "--chip=h100", "--dcn_axes=data")  # and the step-time estimate
     assert fits.returncode == 0, fits.stderr[-2000:]
     assert fits.stdout.strip().splitlines()[-1].endswith("hbm_gib=1 fits=yes")
+    assert "\nestimated step on NVIDIA H100 SXM: " in fits.stdout and " (DCN)" in fits.stdout, fits.stdout
+    bad = _plan(*args, "--chip=h100", "--dcn_axes=pod")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "config error: --dcn_axes=pod: 'pod' is not a mesh axis (data, fsdp, tensor, seq, expert, pipe, replica)"], \
+        bad.stderr
     too_small = _plan(*args, "--hbm_gib=1e-6")
     assert too_small.returncode == 1 and too_small.stdout.strip().splitlines()[-1].endswith("fits=no")
     assert "does not fit; try:" in too_small.stdout
