@@ -49,7 +49,7 @@ def test_plan_says_whether_it_fits_on_the_last_line_and_in_the_exit_status():
     assert "\nestimated step on NVIDIA H100 SXM: " in fits.stdout and " (DCN)" in fits.stdout, fits.stdout
     bad = _plan(*args, "--chip=h100", "--dcn_axes=pod")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "config error: --dcn_axes=pod: 'pod' is not a mesh axis (data, fsdp, tensor, seq, expert, pipe, replica)"], \
+        "config error: --dcn_axes=pod: 'pod' is not a mesh axis (data, expert, fsdp, pipe, replica, seq, tensor)"], \
         bad.stderr
     too_small = _plan(*args, "--hbm_gib=1e-6")
     assert too_small.returncode == 1 and too_small.stdout.strip().splitlines()[-1].endswith("fits=no")
