@@ -378,3 +378,51 @@ def test_checkpointer_saves_on_the_interval_keeps_the_latest_and_restores_onto_t
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path / 'file'))}: is a file, not a checkpoint "
                                           r"directory; move it away or use a new --workdir$"):
         Checkpointer(tmp_path / "file", every=1, keep=1)
+
+
+def test_local_tier_writes_each_distinct_shard_once_restores_it_exactly_and_keeps_the_newest(tmp_path):
+    """`LocalTier` on 8 devices: an array sharded 4 ways and replicated 2 ways is written as its 4 distinct
+    shards (bytes of one copy each), read back bitwise onto the same sharding (bf16 and int32 leaves too); the
+    newest `keep` steps are kept, a later step left by an earlier attempt is dropped when an earlier step is
+    written, a torn `.tmp` directory and a step written from another layout are deleted at start, and a write
+    that fails is one line on the next call."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from parallax.checkpoint import LocalTier
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "data"), devices=jax.devices()[:8])
+    split, whole = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
+
+    def state(step):
+        w = jnp.arange(32, dtype=jnp.float32).reshape(8, 4) * step
+        return {"w": jax.device_put(w, split), "h": jax.device_put(w.astype(jnp.bfloat16), split),
+                "step": jax.device_put(jnp.int32(step), whole)}
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state(0))
+    tier = LocalTier(tmp_path, every=2, keep=2, abstract_state=abstract)
+    root = tmp_path / "process_0"
+    assert tier.shared == [] and tier.due(4) and not tier.due(3)
+    for step in (2, 4, 6):
+        tier.save(step, state(step))
+    assert tier.steps() == [4, 6] and sorted(os.listdir(root)) == ["4", "6"]
+    # 4 distinct shards of w (4 bytes x 8 elements each) and of h (2 bytes), one scalar: nothing duplicated
+    assert os.path.getsize(root / "6" / "shards.bin") == 4 * 8 * 4 + 4 * 8 * 2 + 4
+    restored = tier.restore(6)
+    for name in ("w", "h", "step"):
+        assert restored[name].sharding == state(6)[name].sharding and restored[name].dtype == state(6)[name].dtype
+        assert np.array_equal(np.asarray(restored[name]), np.asarray(state(6)[name])), name
+    tier.save(2, state(2))  # an attempt that restarted from step 2: steps 4 and 6 are of the abandoned one
+    assert tier.steps() == [2] and sorted(os.listdir(root)) == ["2"]
+    (root / "9.tmp").mkdir()  # a write torn by a kill
+    again = LocalTier(tmp_path, every=2, keep=2, abstract_state=abstract)
+    assert again.shared == [2] and sorted(os.listdir(root)) == ["2"]
+    other = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), abstract)
+    assert LocalTier(tmp_path, every=2, keep=2, abstract_state=other).shared == []  # another layout
+    assert os.listdir(root) == []
+    (tmp_path / "blocked").write_text("")  # a file where the directory should be: the write fails
+    broken = LocalTier(tmp_path / "blocked", every=2, keep=2, abstract_state=abstract)
+    broken.save(2, state(2))
+    with pytest.raises(ConfigError, match=r"the local checkpoint tier .*blocked/process_0 could not be written "
+                                          r"\(.*\); free disk space there or set train.local_checkpoint_dir"):
+        broken.wait()
