@@ -133,5 +133,7 @@ class HangWatch:
         print(f"hang: {reason} on process {self.process}; every thread's stack in {where}; exit {EXIT_HANG} "
               "(rerun the same command to resume from the last checkpoint)", file=sys.stderr, flush=True)
         if self.processes > 1:  # the others are stuck in this step's collectives too and see it within a check
-            time.sleep(GRACE_S)  # interval; exiting first would break their collectives (a lost peer, exit 3)
+            # interval; exiting first would break their collectives (a lost peer, exit 3). Process 0 hosts JAX's
+            # coordination service, whose end aborts the others (SIGABRT, seen once in CI): it leaves last.
+            time.sleep(GRACE_S * (2 if self.process == 0 else 1))
         os._exit(EXIT_HANG)  # not sys.exit: the main thread is the one stuck
