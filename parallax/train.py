@@ -98,8 +98,7 @@ def resolve_data(config):
     (from 0: the tokenizer's ids rounded up to a multiple of 128); a value that disagrees
     with the tokenizer is a one-line ConfigError. Returns (config, tokenizer or None); `config` is a copy."""
     config = copy.deepcopy(config)
-    if "://" in str(config.data.path):  # a corpus in a bucket: read from a local copy (parallax/remote.py)
-        config.data.path = remote.localize_paths(config.data.path, "config.data.path")
+    config.data.path = remote.localize_paths(config.data.path, "config.data.path")  # a bucket's: a local copy
     tok = run_tokenizer(config)
     d, m = config.data, config.model
     if tok is None:
