@@ -25,6 +25,8 @@ flags.DEFINE_string("config", None, "Path to a config file with get_config().")
 flags.DEFINE_integer("devices", 0, "Simulated CPU devices to plan for (0: the product of the config's mesh sizes).")
 flags.DEFINE_string("topology", None, "A TPU slice to compile for instead, e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2, "
                     "v6e:2x2 (needs libtpu: pip install -e '.[tpu]').")
+flags.DEFINE_integer("slices", 1, "With --topology: that many slices of it, joined by the data-center network "
+                     "(config.dcn says which mesh axes span them).")
 flags.DEFINE_float("hbm_gib", None, "Memory per device, GiB (default: the --topology chip's HBM, else 80: an "
                    "80 GB GPU).")
 flags.DEFINE_string("chip", None, "Estimate the step time on this chip (v5p, v5e, v6e, h100, h200; default: the "
@@ -57,13 +59,17 @@ def _devices(config):
 
         from parallax.memory import tpu_devices
 
-        devices = tpu_devices(FLAGS.topology)
+        devices = tpu_devices(FLAGS.topology, FLAGS.slices)
         try:
             resolve_axis_sizes(config.mesh, len(devices), "tpu")
         except ConfigError as e:
             raise ConfigError(f"--topology={FLAGS.topology} ({len(devices)} devices): {e}") from None
-        return devices, (f"{len(devices)} x {devices[0].device_kind} (--topology={FLAGS.topology}, compiled by "
-                         f"XLA:TPU from libtpu {version('libtpu')})")
+        slices = f" in {FLAGS.slices} slices" if FLAGS.slices > 1 else ""
+        return devices, (f"{len(devices)} x {devices[0].device_kind}{slices} (--topology={FLAGS.topology}, compiled "
+                         f"by XLA:TPU from libtpu {version('libtpu')})")
+    if FLAGS.slices != 1:
+        raise ConfigError(f"--slices={FLAGS.slices} needs --topology (simulated CPU devices are split into "
+                          f"config.dcn's slices by themselves)")
     sizes = [int(v) for v in config.mesh.values()]
     n = FLAGS.devices or (math.prod(sizes) if min(sizes) > 0 else 0)
     if n <= 0:
@@ -130,7 +136,8 @@ def main(argv, overrides):
 
     print("\n".join(describe(report.costs)))
     if chip is not None:
-        print("\n".join(estimate(report.costs, chip, FLAGS.dcn_axes, int8=config.quant.mode != "none").lines()))
+        print("\n".join(estimate(report.costs, chip, FLAGS.dcn_axes, int8=config.quant.mode != "none",
+                                  model_flops=report.model_flops, bubble=report.bubble).lines()))
     if config.quant.mode != "none":
         print(f"quant: {config.quant.mode} (the layers' projections on 8-bit operands; FSDP weight gathers "
               f"{'in 8 bits' if config.quant.gather else 'in the compute dtype'})")

@@ -44,18 +44,20 @@ def _comments(source: str, sectioned: bool = False) -> dict:
     return found
 
 
-def _keys_source(owner) -> str:
-    """The source of the `KEYS = dict(...)` statement of a module or class: a section's declaration."""
+def _keys_source(owner, name: str = "KEYS") -> str:
+    """The source of the `KEYS = dict(...)` statement (or another `name`'s) of a module or class: a section's
+    declaration."""
     source = textwrap.dedent(inspect.getsource(owner))
     body = ast.parse(source).body
     if isinstance(owner, type):
         body = body[0].body
-    node = next(n for n in body if isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["KEYS"])
+    node = next(n for n in body if isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == [name])
     return "\n".join(source.splitlines()[node.lineno - 1:node.end_lineno])
 
 
 # Each section's home: where its keys are declared (`KEYS`) with their meanings; None: `default_config` itself.
-HOMES = {"mesh": mesh_lib, "train": train_settings, "optim": optim, "pipeline": pipeline_settings,
+# A (module, name) pair: the section is declared as `name` there (`config.dcn`: `DCN_KEYS` beside the mesh's).
+HOMES = {"mesh": mesh_lib, "dcn": (mesh_lib, "DCN_KEYS"), "train": train_settings, "optim": optim, "pipeline": pipeline_settings,
          "diloco": diloco_settings, "lora": lora, "dpo": dpo_settings, "quant": quant, "data": None, "dist": None}
 
 
@@ -110,7 +112,9 @@ def config_keys_page() -> str:
              "`python -m parallax.configdoc > docs/config-keys.md`;",
              "a test fails when it is out of date.", ""]
     for section, home in HOMES.items():
-        comments = _comments(_keys_source(home)) if home else {k: v for (s, k), v in general.items() if s == section}
+        home = home if isinstance(home, tuple) else (home, "KEYS")
+        comments = (_comments(_keys_source(*home)) if home[0] else
+                    {k: v for (s, k), v in general.items() if s == section})
         lines += _table(section, "", _rows(section, base[section], comments.get))
         if section == "optim":  # each optimizer's own section
             for name, cls in optim.OPTIMIZERS.items():

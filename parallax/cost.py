@@ -18,7 +18,18 @@ Counted per device (SPMD programs are per device):
   The memory-traffic estimate: the compiler may keep small operands on chip, so it is an upper bound.
 - `collectives`: per (kind, mesh axes) the count, the bytes of their results and the bytes one device sends
   on a ring (`parallax.hlo.collective_traffic`'s rule); the axes are read from the device groups with the
-  mesh's shape (device ids are positions in the mesh's device order).
+  mesh's shape (device ids are positions in the mesh's device order). Given each device's slice
+  (`step_costs(slices=...)`), `dcn_count` / `dcn_sent` count those whose groups span slices. The TPU
+  compiler's multi-slice program is one slice's: its collectives run inside the slice (device ids are the
+  slice's own), and what crosses slices is a host transfer to the Megascale runtime (a `send` with
+  `_xla_megascale_transfer_type`, e.g. ALL_REDUCE), counted here as that collective over the mesh axes that
+  span slices (`dcn`), a ring over the slices.
+- `windows`: every collective once per execution, with what the compiled schedule runs while it is in
+  flight: for an async pair (`all-gather-start` ... `all-gather-done`, or `async-start` / `async-done`
+  around one) the FLOPs and bytes of the instructions between its start and its done (loops among them
+  with their trip counts); a synchronous collective has an empty window. The step-time estimate
+  (`parallax.estimate`) hides a collective behind its window's compute, and no more. Two collectives in
+  flight at once are each credited with the whole window (their links are separate when their axes are).
 """
 from __future__ import annotations
 
@@ -42,6 +53,7 @@ _COND = re.compile(r"condition=%([^\s,)}]+)")
 _DIRECTION = re.compile(r"direction=([A-Z]+)")
 _INDEX = re.compile(r"\sindex=([0-9]+)")
 _CONSTANT = re.compile(r"\sconstant\((-?[0-9]+)\)")
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 
 
 def _constant(ins) -> int | None:
@@ -110,6 +122,8 @@ class StepCosts:
     custom_calls: int = 0
     unknown_loops: int = 0
     branches: list = dataclasses.field(default_factory=list)  # per conditional: each branch's StepCosts
+    # per collective instruction: {op, axes, sent, dcn_sent, times (executions), flops, bytes (its window)}
+    windows: list = dataclasses.field(default_factory=list)
 
     def add(self, other: StepCosts, times: float = 1) -> None:
         self.flops += times * other.flops
@@ -117,10 +131,15 @@ class StepCosts:
         self.custom_calls += times * other.custom_calls
         self.unknown_loops += other.unknown_loops
         for key, c in other.collectives.items():
-            mine = self.collectives.setdefault(key, {"count": 0, "bytes": 0.0, "sent": 0.0})
+            mine = self.collectives.setdefault(key, _record())
             for k in mine:
                 mine[k] += times * c[k]
         self.branches += other.branches
+        self.windows += [dict(w, times=w["times"] * times) for w in other.windows]
+
+    def dcn_sent(self) -> float:
+        """Bytes one device sends in collectives whose groups span slices."""
+        return sum(c.get("dcn_sent", 0.0) for c in self.collectives.values())
 
     def by_kind(self, field: str = "sent") -> dict[str, float]:
         """{collective kind: bytes} (`sent`: what one device sends; `bytes`: the results' size)."""
@@ -135,6 +154,10 @@ class StepCosts:
         for (_, axes), c in self.collectives.items():
             out[axes] = out.get(axes, 0.0) + c[field]
         return out
+
+
+def _record() -> dict:
+    return {"count": 0, "bytes": 0.0, "sent": 0.0, "dcn_count": 0, "dcn_sent": 0.0}
 
 
 def _axes(groups, mesh_shape: dict[str, int] | None) -> tuple[str, ...]:
@@ -184,8 +207,14 @@ def _conv_flops(line, labels, lhs, rhs, out) -> float:
 
 
 class _Program:
-    def __init__(self, text: str, mesh_shape: dict[str, int] | None, num_devices: int):
-        self.mesh_shape, self.num_devices = mesh_shape, num_devices
+    def __init__(self, text: str, mesh_shape: dict[str, int] | None, num_devices: int, slices=None,
+                 dcn: dict[str, int] | None = None):
+        self.mesh_shape, self.num_devices, self.slices = mesh_shape, num_devices, slices
+        self.num_slices = math.prod((dcn or {}).values()) if dcn else 1
+        self.dcn_axes = tuple(a for a, d in (dcn or {}).items() if d > 1)
+        if self.num_slices > 1 and "xla_megascale_runtime" in text and mesh_shape:  # one slice's program
+            self.mesh_shape = {a: n // dcn.get(a, 1) for a, n in mesh_shape.items()}
+            self.num_devices, self.slices = math.prod(self.mesh_shape.values()), None
         self.comps = {name: [i for i in map(_parse, lines) if i is not None]
                       for name, lines in hlo._computations(text).items()}
         self.entry = next(m["name"] for line in text.splitlines()
@@ -200,33 +229,46 @@ class _Program:
     def _costs(self, name: str) -> StepCosts:
         out = StepCosts()
         symbols = {i.name: i for i in self.comps.get(name, [])}
+        in_flight: dict[str, list[dict]] = {}  # an async start's name -> the windows it opened
         for ins in self.comps.get(name, []):
-            out.flops += self._flops(ins, symbols)
-            out.custom_calls += ins.op == "custom-call"
-            self._collective(ins, out)
-            if ins.op == "while":
-                trip = self._trip_count(ins, symbols)
-                out.unknown_loops += trip is None
-                for callee in hlo._called(ins.line):
-                    out.add(self.costs(callee), 1 if trip is None else trip)
-            elif ins.op == "conditional":
-                branches = [self.costs(c) for c in hlo._called(ins.line)]
-                if branches:
-                    out.add(max(branches, key=lambda b: (b.flops, b.bytes)))
-                    out.branches.append(branches)
-            elif ins.op == "fusion":
-                for callee in hlo._called(ins.line):  # its matmuls and custom calls; its bytes are the fusion's
-                    inner = self.costs(callee)
-                    out.flops += inner.flops
-                    out.custom_calls += inner.custom_calls
-                out.bytes += self._fusion_bytes(ins, symbols)
+            flops, bytes_, opened = out.flops, out.bytes, len(out.windows)
+            self._instruction(ins, symbols, out)
+            if ins.op.endswith("-done") and ins.operands and ins.operands[0] in in_flight:
+                del in_flight[ins.operands[0]]
+            elif (ins.op.endswith("-start") or ins.op == "send") and len(out.windows) > opened:
+                in_flight[ins.name] = out.windows[opened:]
             else:
-                for callee in hlo._called(ins.line):  # call, async wrappers; not reductions' to_apply
-                    if ins.op in ("call", "async-start") or ins.op.endswith("-start") and "calls=" in ins.line:
-                        out.add(self.costs(callee))
-            if ins.op not in _FREE and ins.op != "fusion":
-                out.bytes += self._bytes(ins, symbols)
+                for window in (w for ws in in_flight.values() for w in ws):
+                    window["flops"] += out.flops - flops
+                    window["bytes"] += out.bytes - bytes_
         return out
+
+    def _instruction(self, ins: _Instruction, symbols, out: StepCosts) -> None:
+        out.flops += self._flops(ins, symbols)
+        out.custom_calls += ins.op == "custom-call"
+        self._collective(ins, out)
+        if ins.op == "while":
+            trip = self._trip_count(ins, symbols)
+            out.unknown_loops += trip is None
+            for callee in hlo._called(ins.line):
+                out.add(self.costs(callee), 1 if trip is None else trip)
+        elif ins.op == "conditional":
+            branches = [self.costs(c) for c in hlo._called(ins.line)]
+            if branches:
+                out.add(max(branches, key=lambda b: (b.flops, b.bytes)))
+                out.branches.append(branches)
+        elif ins.op == "fusion":
+            for callee in hlo._called(ins.line):  # its matmuls and custom calls; its bytes are the fusion's
+                inner = self.costs(callee)
+                out.flops += inner.flops
+                out.custom_calls += inner.custom_calls
+            out.bytes += self._fusion_bytes(ins, symbols)
+        else:
+            for callee in hlo._called(ins.line):  # call, async wrappers; not reductions' to_apply
+                if ins.op in ("call", "async-start") or ins.op.endswith("-start") and "calls=" in ins.line:
+                    out.add(self.costs(callee))
+        if ins.op not in _FREE and ins.op != "fusion":
+            out.bytes += self._bytes(ins, symbols)
 
     def _trip_count(self, ins: _Instruction, symbols) -> int | None:
         """XLA's `known_trip_count` (XLA:CPU / GPU annotate counted loops), else read off the loop (the TPU
@@ -323,27 +365,44 @@ class _Program:
     def _collective(self, ins: _Instruction, out: StepCosts) -> None:
         match = hlo._INSTRUCTION.search(ins.line.split("\n")[0])
         if match is None:
+            megascale = _MEGASCALE.search(ins.line) if ins.op == "send" else None
+            if megascale:
+                op = megascale[1].lower().replace("_", "-")
+                size = _size(ins.arrays[0]) if ins.arrays else 0
+                self._record(out, op, self.dcn_axes, size, hlo.ring_sent(op, max(self.num_slices, 2), size), True)
             return
         op = match["op"]
         arrays = ins.arrays[-1:] if match["start"] and ins.arrays else ins.arrays
         size = sum(_size(a) for a in arrays)
         groups = hlo._groups(ins.line, self.num_devices)
         sent = hlo.ring_sent(op, max(len(x) for x in groups), size)
-        key = (op, _axes(groups, self.mesh_shape))
-        mine = out.collectives.setdefault(key, {"count": 0, "bytes": 0.0, "sent": 0.0})
+        crosses = self.slices is not None and any(len({self.slices[d] for d in g}) > 1 for g in groups)
+        self._record(out, op, _axes(groups, self.mesh_shape), size, sent, crosses)
+
+    @staticmethod
+    def _record(out: StepCosts, op: str, axes: tuple, size: float, sent: float, crosses: bool) -> None:
+        key = (op, axes)
+        mine = out.collectives.setdefault(key, _record())
         mine["count"] += 1
         mine["bytes"] += size
         mine["sent"] += sent
+        mine["dcn_count"] += crosses
+        mine["dcn_sent"] += sent if crosses else 0.0
+        out.windows.append({"op": op, "axes": key[1], "sent": sent, "dcn_sent": sent if crosses else 0.0,
+                            "times": 1, "flops": 0.0, "bytes": 0.0})
 
 
 def step_costs(compiled_or_hlo_text, mesh_shape: dict[str, int] | None = None,
-               num_devices: int | None = None) -> StepCosts:
+               num_devices: int | None = None, slices=None, dcn: dict[str, int] | None = None) -> StepCosts:
     """The per-device costs of one execution of a compiled program (see the module's docstring).
     `mesh_shape`: {axis: size} of the mesh it was compiled for, in mesh order (e.g. `dict(mesh.shape)`), to
-    name the axes each collective crosses; `num_devices` defaults to its product."""
+    name the axes each collective crosses; `num_devices` defaults to its product. `slices`: the slice of
+    each device id (`parallax.mesh.device_slices` of the mesh's devices in order), to count the collectives
+    that cross slices; `dcn`: {axis: slices it spans} (`Plan.dcn`), to read the TPU compiler's multi-slice
+    program (one slice's, with the Megascale transfers between slices)."""
     text = hlo._text(compiled_or_hlo_text)
     n = num_devices or (math.prod(mesh_shape.values()) if mesh_shape else 1)
-    program = _Program(text, mesh_shape, n)
+    program = _Program(text, mesh_shape, n, None if slices is None else list(slices), dcn)
     return program.costs(program.entry)
 
 

@@ -40,6 +40,7 @@ def default_config(model: str) -> ml_collections.ConfigDict:
     # meaning in a comment on its line: `parallax/configdoc.py` builds the page of config keys
     # (docs/config-keys.md) from them, and a test fails when a key has none.
     c.mesh = ml_collections.ConfigDict(mesh_lib.KEYS)
+    c.dcn = ml_collections.ConfigDict(mesh_lib.DCN_KEYS)
     c.model = ml_collections.ConfigDict(model_config_defaults(model))
     c.train = ml_collections.ConfigDict(train_settings.KEYS)
     c.optim = ml_collections.ConfigDict(optim.KEYS)

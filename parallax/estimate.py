@@ -3,11 +3,18 @@ figures: compute at the chip's peak, memory traffic at its HBM bandwidth, each c
 the links it crosses (ICI inside a slice, NVLink inside a node; the data-center network or InfiniBand for the
 mesh axes named as crossing slices or nodes).
 
-What it is and is not: a roofline, not a simulation. `compute_s` and `memory_s` overlap (the larger bounds a
-step), and the collectives either hide entirely behind them (`overlapped_s`, the lower bound) or not at all
-(`serial_s`, the upper bound); where between the two a real step lands depends on what the compiled schedule
-puts between a collective's start and its done, which this does not read yet. `bytes` is an upper bound of
-the memory traffic (see `parallax.cost`), so `memory_s` is too.
+What it is and is not: a roofline read against the compiled schedule, not a simulation. `compute_s` and
+`memory_s` overlap (the larger bounds a step). A collective hides behind the compute the compiled program
+runs while it is in flight (`parallax.cost` `windows`: the instructions between an async collective's
+start and its done): what its window's compute (or memory traffic) does not cover is exposed, and a
+synchronous collective (XLA:CPU's, or one the scheduler left alone) is exposed whole. `seconds` is the
+estimate: max(compute, memory) + exposed; `overlapped_s` (every collective hidden) and `serial_s` (none)
+bound it. A collective whose device groups span slices (`StepCosts` `dcn_sent`, or an axis named in
+`dcn_axes`) runs at the data-center network's bandwidth: a ring is as fast as its slowest link. `bytes` is
+an upper bound of the memory traffic (see `parallax.cost`), so `memory_s` is too. A pipeline's ticks are
+counted at their costliest action (`parallax.cost`), which is at least the lockstep time; its bubble
+(`bubble`, from `parallax.pipeline.simulate` at equal stage costs) is reported beside, not subtracted.
+MFU is the model's FLOPs (`Model.flops_per_token`, no recompute) over the chip's peak in `seconds`.
 
 Per-axis link bandwidth: an axis's ring runs along one dimension of the torus (TPU) and sends to both of its
 neighbours at once, so a device sends at 2 / (2 x torus dimensions) of the chip's outgoing ICI bandwidth
@@ -61,6 +68,11 @@ class Estimate:
     memory_s: float
     collectives_s: dict  # {mesh axes: seconds}
     dcn_axes: tuple
+    exposed_s: float = 0.0  # collectives' time not covered by the compute in their windows
+    model_flops: float = 0.0  # per device and step (MFU's numerator); 0: unknown
+    dcn_s: float = 0.0  # of the collectives' time, what crosses slices
+    bubble: float | None = None  # a pipeline's lockstep bubble (simulator, equal stage costs)
+    peak: float = 0.0  # the FLOP/s the compute is priced at (bf16, or int8 for 8-bit matmuls)
 
     @property
     def comm_s(self) -> float:
@@ -76,22 +88,34 @@ class Estimate:
         """No collective hidden: the upper bound."""
         return max(self.compute_s, self.memory_s) + self.comm_s
 
+    @property
+    def seconds(self) -> float:
+        """The estimate: compute or memory traffic, whichever is longer, plus the exposed collectives."""
+        return max(self.compute_s, self.memory_s) + self.exposed_s
+
     def utilisation(self, seconds: float) -> float:
         """The counted matmul FLOPs over the chip's peak in `seconds` (hardware FLOPs: remat's recompute
         counts, unlike MFU's model FLOPs)."""
         return self.compute_s / seconds if seconds > 0 else 0.0
 
+    @property
+    def mfu(self) -> float | None:
+        return self.model_flops / (self.seconds * self.peak) if self.model_flops and self.seconds and self.peak else None
+
     def lines(self) -> list[str]:
         per_axis = ", ".join(f"{','.join(axes) or 'one device'} {_t(s)}"
                              + (" (DCN)" if set(axes) & set(self.dcn_axes) else "")
                              for axes, s in sorted(self.collectives_s.items(), key=lambda kv: -kv[1]))
-        return [f"estimated step on {self.chip.name}: {_t(self.overlapped_s)} - {_t(self.serial_s)} "
-                f"(collectives all hidden - none hidden); compute {_t(self.compute_s)} at peak, memory "
-                f"{_t(self.memory_s)} (an upper bound), collectives {_t(self.comm_s)}"
-                + (f": {per_axis}" if per_axis else ""),
-                f"  hardware FLOPs utilisation {100 * self.utilisation(self.serial_s):.1f}% - "
-                f"{100 * self.utilisation(self.overlapped_s):.1f}%; exposed collectives 0% - "
-                f"{100 * self.comm_s / self.serial_s if self.serial_s else 0:.1f}% of the step",
+        mfu = f"MFU {100 * self.mfu:.1f}%, " if self.mfu is not None else ""
+        return [f"estimated step on {self.chip.name}: {_t(self.seconds)} ({mfu}hardware FLOPs utilisation "
+                f"{100 * self.utilisation(self.seconds):.1f}%; exposed collectives {_t(self.exposed_s)}, "
+                f"{100 * self.exposed_s / self.seconds if self.seconds else 0:.1f}% of the step)"
+                + (f"; pipeline bubble {100 * self.bubble:.1f}% (lockstep, equal stages; in the counted ticks)"
+                   if self.bubble is not None else ""),
+                f"  compute {_t(self.compute_s)} at peak, memory {_t(self.memory_s)} (an upper bound), collectives "
+                f"{_t(self.comm_s)}" + (f" ({_t(self.dcn_s)} across slices)" if self.dcn_s else "")
+                + (f": {per_axis}" if per_axis else "")
+                + f"; bounds {_t(self.overlapped_s)} (all hidden) - {_t(self.serial_s)} (none hidden)",
                 f"  figures: {self.chip.source}"]
 
 
@@ -99,10 +123,12 @@ def _t(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
-def estimate(costs, chip: Chip | str, dcn_axes=(), int8: bool = False) -> Estimate:
-    """The roofline of one step of `costs` (`parallax.cost.StepCosts`, per device) on `chip` (a `Chip` or a
-    key of `CHIPS`). `dcn_axes`: mesh axes whose collectives cross slices or nodes (priced at `chip.dcn`);
-    `int8`: the matmuls at the int8 peak."""
+def estimate(costs, chip: Chip | str, dcn_axes=(), int8: bool = False, model_flops: float = 0.0,
+             bubble: float | None = None) -> Estimate:
+    """The estimate of one step of `costs` (`parallax.cost.StepCosts`, per device) on `chip` (a `Chip` or a
+    key of `CHIPS`). `dcn_axes`: mesh axes whose collectives are priced as crossing slices or nodes (a
+    what-if for a program compiled for one slice; collectives counted as crossing, `dcn_sent`, are priced so
+    anyway); `int8`: the matmuls at the int8 peak; `model_flops`: per device and step, for MFU."""
     from parallax.errors import ConfigError
 
     if isinstance(chip, str):
@@ -111,11 +137,24 @@ def estimate(costs, chip: Chip | str, dcn_axes=(), int8: bool = False) -> Estima
         chip = CHIPS[chip]
     peak = chip.peak_int8 if int8 and chip.peak_int8 else chip.peak_bf16
     dcn_axes = tuple(dcn_axes)
-    if dcn_axes and chip.dcn is None:
-        raise ConfigError(f"--dcn_axes={','.join(dcn_axes)}: no published DCN bandwidth for {chip.name}; plan "
-                          "without DCN axes or pick a chip with one")
-    collectives = {}
-    for axes, sent in costs.by_axes("sent").items():
-        bandwidth = chip.dcn if set(axes) & set(dcn_axes) else chip.link
-        collectives[axes] = collectives.get(axes, 0.0) + sent / bandwidth
-    return Estimate(chip, costs.flops / peak, costs.bytes / chip.hbm, collectives, dcn_axes)
+    if chip.dcn is None and (dcn_axes or costs.dcn_sent()):
+        raise ConfigError(f"{'--dcn_axes=' + ','.join(dcn_axes) if dcn_axes else 'a mesh over several slices'}: "
+                          f"no published DCN bandwidth for {chip.name}; plan within one slice or pick a chip with one")
+
+    def seconds(axes, sent, dcn_sent):
+        if set(axes) & set(dcn_axes):
+            return sent / chip.dcn, sent / chip.dcn
+        return (sent - dcn_sent) / chip.link + (dcn_sent / chip.dcn if dcn_sent else 0.0), (
+            dcn_sent / chip.dcn if dcn_sent else 0.0)
+
+    collectives, dcn_s = {}, 0.0
+    for (_, axes), c in costs.collectives.items():
+        t, over_dcn = seconds(axes, c["sent"], c.get("dcn_sent", 0.0))
+        collectives[axes] = collectives.get(axes, 0.0) + t
+        dcn_s += over_dcn
+    exposed = 0.0
+    for w in costs.windows:
+        t, _ = seconds(w["axes"], w["sent"], w["dcn_sent"])
+        exposed += w["times"] * max(0.0, t - max(w["flops"] / peak, w["bytes"] / chip.hbm))
+    return Estimate(chip, costs.flops / peak, costs.bytes / chip.hbm, collectives, dcn_axes, exposed_s=exposed,
+                    model_flops=model_flops, dcn_s=dcn_s, bubble=bubble, peak=peak)

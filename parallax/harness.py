@@ -40,6 +40,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from parallax import hf
+from parallax import mesh as mesh_lib
 from parallax.errors import ConfigError
 from parallax.model import forward
 from parallax.generate import decode_parallelism, generate
@@ -118,8 +119,7 @@ class ParallaxLM(TemplateLM):
             positions = ckpt.config.get("max_position_embeddings") or ckpt.config.get("n_positions")
             self.max_length = _positive_int("max_length", max_length or min(HF_MAX_LENGTH, positions or HF_MAX_LENGTH))
             config = hf.import_config(ckpt, None, [("train.seq_len", str(self.max_length))])
-            for axis in config.mesh:
-                config.mesh[axis] = 1
+            mesh_lib.set_sizes(config)
             trainer, self.params, self.tok = hf.load_checkpoint(ckpt, config, devices)
             self.step = 0
             if self.tok is None:

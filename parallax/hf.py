@@ -33,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from parallax import lora
+from parallax import mesh as mesh_lib
 from parallax.errors import ConfigError
 from parallax.model import ENTRY_POINT_GROUP, model_class, model_config_defaults
 
@@ -465,8 +466,7 @@ def export_workdir(workdir: str, out_dir: str, step: int | None = None, dtype: s
     try:
         trainer = Trainer(config, devices)
     except ConfigError:  # the run's mesh needs other devices: restore on one
-        for axis in config.mesh:
-            config.mesh[axis] = 1
+        mesh_lib.set_sizes(config)
         trainer = Trainer(config, devices[:1])
     checkpointer = ckpt_lib.Checkpointer(epath.Path(workdir) / "checkpoints", 0, 1, cleanup=False)
     step = checkpointer.latest_step() if step is None else step

@@ -36,6 +36,8 @@ import re
 import jax
 
 from parallax import cost, hlo
+from parallax import mesh as mesh_lib
+from parallax.pipeline.simulate import simulate, steady_bubbles
 from parallax.errors import ConfigError
 from parallax.steps.pipeline import rank_balance
 from parallax.plan import abstract_batch, make_plan
@@ -53,17 +55,21 @@ def tpu_generation(topology: str) -> str:
     return re.split("[:=_]", topology, maxsplit=1)[0]
 
 
-def tpu_devices(topology: str) -> list:
+def tpu_devices(topology: str, slices: int = 1) -> list:
     """Compile-only devices of the TPU slice `topology` (e.g. 'v5p:4x4x4', 'v5e:4x4', 'v4:2x2x2'), one per
     chip (per TensorCore on v3), as JAX sees them on the slice: jit compiles for them with libtpu's TPU
-    compiler on any machine, no TPU needed."""
+    compiler on any machine, no TPU needed. `slices` > 1: that many such slices (multi-slice, over DCN; each
+    device's `slice_index` says which)."""
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"--topology={topology} needs libtpu: pip install -e '.[tpu]' (Python 3.12, newest jax)")
     from jax.experimental import topologies
 
     megacore = {"chip_config_name": "megacore"} if tpu_generation(topology) in _MEGACORE else {}
     try:
-        return list(topologies.get_topology_desc(topology, platform="tpu", **megacore).devices)
+        if slices < 1:
+            raise ConfigError(f"--slices={slices}: a positive number of slices")
+        multi = {"num_slices": slices} if slices > 1 else {}
+        return list(topologies.get_topology_desc(topology, platform="tpu", **megacore, **multi).devices)
     except jax.errors.JaxRuntimeError as e:
         raise ConfigError(f"--topology={topology}: {str(e).splitlines()[0]}; e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2, "
                           f"v6e:2x2") from None
@@ -91,6 +97,8 @@ class MemoryReport:
     xla_peak: int = 0  # XLA:TPU's own peak (`peak_memory_in_bytes`, arguments included); 0 where not reported
     gathered: tuple = ()  # ((element type, bytes), ...) the compiled step's all-gathers produce (each counted once)
     costs: object = None  # parallax.cost.StepCosts of the compiled step: FLOPs, bytes, collectives by mesh axes
+    model_flops: float = 0.0  # the model's FLOPs per device and step (`Model.flops_per_token`; MFU's numerator)
+    bubble: float | None = None  # pipelined plans: the schedule's lockstep bubble (equal stage costs)
 
     @property
     def bound(self) -> int:
@@ -203,8 +211,32 @@ def memory_report(config, devices=None) -> MemoryReport:
         host_arguments=getattr(memory, "host_argument_size_in_bytes", 0) or 0,
         xla_peak=_xla_peak(memory, trainer.plan.platform),
         gathered=tuple(sorted(hlo.collective_bytes(text, "all-gather").items())),
-        costs=cost.step_costs(text, dict(trainer.mesh.shape)),
-        ranks=tuple(rank_balance(trainer.plan)) if trainer.plan.schedule is not None else ())
+        costs=cost.step_costs(text, dict(trainer.mesh.shape), slices=_slices(trainer), dcn=trainer.plan.dcn),
+        ranks=tuple(rank_balance(trainer.plan)) if trainer.plan.schedule is not None else (),
+        model_flops=_model_flops(trainer.plan, trainer.mesh.size),
+        bubble=_bubble(trainer.plan.schedule))
+
+
+def _bubble(schedule) -> float | None:
+    """A pipeline schedule's lockstep bubble at equal stage costs (a steady schedule's: its steady state)."""
+    if schedule is None:
+        return None
+    return steady_bubbles(schedule, 3, mode="lockstep")[-1] if schedule.steady else simulate(schedule).bubble
+
+
+def _slices(trainer) -> list[int] | None:
+    """The slice of each device of the trainer's mesh, in the mesh's order (the program's device ids); None
+    on one slice."""
+    slices = math.prod(trainer.plan.dcn.values()) if trainer.plan.dcn else 1
+    return mesh_lib.device_slices(list(trainer.mesh.devices.flat), slices) if slices > 1 else None
+
+
+def _model_flops(plan, num_devices: int) -> float:
+    """The model's training FLOPs per device and step: `Model.flops_per_token` x the step's tokens / devices
+    (DiLoCo's replicas each train their share of the batch)."""
+    t = plan.train
+    per_token = plan.model_class.flops_per_token(plan.model_config, t.seq_len, plan.abstract_params, plan.logical)
+    return float(per_token) * t.global_batch_size * t.seq_len / num_devices
 
 
 def _latest_step(workdir: str):

@@ -3,6 +3,19 @@
 Axes, outermost (slowest network) to innermost: replica, data, fsdp, pipe, expert, seq, tensor. Every
 size defaults to 1 and one may be -1 (inferred from the device count). A product that does not match the
 device count is a `ConfigError` raised before anything is compiled.
+
+Several slices (or nodes): `config.dcn` says how many of them each of the outer axes spans over the
+data-center network (DCN); `config.mesh` keeps each axis's total size. An axis of size s spanning d slices
+is d groups of s / d devices, each group inside one slice (its index along the axis is slice-major: the
+slice's position times s / d, plus the position inside the slice), so only collectives over the axes with a
+DCN size above 1 cross slices. Only replica, data, fsdp and pipe may span slices: tensor, sequence and
+expert collectives run in every layer, at every microbatch, and belong on the fast interconnect (the
+anchors' rule, MaxText's `dcn_*_parallelism`). A device's slice is its `slice_index` (TPU slices, and the
+TPU compiler's multi-slice topologies), else its process (a multi-process run: one node per process, as
+`mesh_utils.create_hybrid_device_mesh(process_is_granule=True)`), else, for one process's simulated CPU
+devices, consecutive groups of the devices (a stand-in for slices that the tests count collectives over).
+Inside a slice the devices are laid out by `mesh_utils.create_device_mesh` (the torus-aware order on TPU),
+what `create_hybrid_device_mesh` does, written out here so that simulated slices get the same layout.
 """
 
 from __future__ import annotations
@@ -29,6 +42,17 @@ KEYS = dict(
     seq=1,  # sequence-parallel size (attention over it: `model.attention`)
     tensor=1,  # tensor-parallel size (Megatron column / row splits)
 )
+# The section `config.dcn`: how many slices (or nodes) each axis spans; the rest of its size is inside a slice.
+DCN_KEYS = dict(
+    replica=1,  # slices the DiLoCo replicas span (divides mesh.replica)
+    data=1,  # slices the data-parallel axis spans (divides mesh.data; -1 there: inferred first)
+    fsdp=1,  # slices the FSDP axis spans (its gathers and reduce-scatters cross the data-center network)
+    pipe=1,  # slices the pipeline stages span (a stage boundary's sends cross it)
+    expert=1,  # must stay 1: expert all-to-alls run in every MoE layer, inside a slice
+    seq=1,  # must stay 1: sequence-parallel attention communicates in every layer, inside a slice
+    tensor=1,  # must stay 1: tensor-parallel collectives run in every layer, inside a slice
+)
+IN_SLICE = ("expert", "seq", "tensor")  # axes that never span slices
 
 
 
@@ -135,21 +159,94 @@ def resolve_axis_sizes(mesh_config, num_devices: int, platform: str | None = Non
     return sizes
 
 
-def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
-    """Builds the mesh with the canonical axis order; axes are Auto (the compiler propagates shardings)."""
+def set_sizes(config, sizes: dict | None = None) -> None:
+    """Sets `config.mesh` to `sizes` ({axis: size}; unnamed axes 1) inside one slice (`config.dcn` all 1):
+    for running a saved run on other devices (sampling, export, evaluation on one device)."""
+    sizes = dict(sizes or {})
+    for axis in config.mesh:
+        config.mesh[axis] = int(sizes.get(axis, 1))
+    for axis in config.get("dcn", {}):
+        config.dcn[axis] = 1
+
+
+def resolve_dcn(dcn_config, sizes: dict[str, int]) -> dict[str, int]:
+    """{axis: slices it spans} for every axis of `sizes` (resolved mesh sizes; 1 for the in-slice axes);
+    raises ConfigError naming the key and the fix for a size that is not positive or does not divide the
+    axis. The number of slices is their product (checked against the devices by `make_mesh`)."""
+    dcn_config = dcn_config or {}
+    unknown = set(dcn_config.keys()) - set(DCN_KEYS)
+    if unknown:
+        raise ConfigError(f"config.dcn: unknown axes {sorted(unknown)}; valid axes: {', '.join(AXES)}")
+    dcn = {axis: 1 for axis in AXES}
+    for axis in DCN_KEYS:
+        d = int(dcn_config.get(axis, 1))
+        if axis in IN_SLICE and d != 1:
+            raise ConfigError(f"config.dcn.{axis}={d}: {axis} collectives run in every layer and stay inside a "
+                              f"slice; span slices with {', '.join(a for a in DCN_KEYS if a not in IN_SLICE)}")
+        if d < 1:
+            raise ConfigError(f"config.dcn.{axis}={d}: the slices an axis spans are a positive count (1: inside "
+                              f"one slice)")
+        if sizes[axis] % d:
+            raise ConfigError(f"config.dcn.{axis}={d} does not divide config.mesh.{axis}={sizes[axis]}: each slice "
+                              f"holds an equal part of the axis; make mesh.{axis} a multiple of {d}")
+        dcn[axis] = d
+    return dcn
+
+
+def device_slices(devices, num_slices: int) -> list[int]:
+    """Each device's slice (see the module's docstring): `slice_index`, else its process, else (one process)
+    `num_slices` consecutive groups. Raises ConfigError when the devices come in another number of slices."""
+    if hasattr(devices[0], "slice_index"):
+        found, where = [d.slice_index for d in devices], "TPU slices (slice_index)"
+    elif len({d.process_index for d in devices}) > 1:
+        found, where = [d.process_index for d in devices], "processes (one node each)"
+    else:
+        if len(devices) % num_slices:
+            raise ConfigError(f"config.dcn: {num_slices} slices do not divide the {len(devices)} devices")
+        rank = {d.id: k for k, d in enumerate(sorted(devices, key=lambda d: d.id))}  # by id: in any order given
+        return [rank[d.id] * num_slices // len(devices) for d in devices]
+    count = len(set(found))
+    if count != num_slices:
+        raise ConfigError(f"config.dcn ({num_slices} slices) but the {len(devices)} devices are in {count} "
+                          f"{where}; make the product of config.dcn's sizes {count}")
+    return found
+
+
+def make_mesh(mesh_config, devices=None, dcn: dict[str, int] | None = None) -> jax.sharding.Mesh:
+    """Builds the mesh with the canonical axis order; axes are Auto (the compiler propagates shardings).
+    `dcn`: {axis: slices it spans} (`resolve_dcn`); by default one slice."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_axis_sizes(mesh_config, len(devices), devices[0].platform)
-    shape = tuple(sizes[a] for a in AXES)
-    try:
-        from jax.experimental import mesh_utils
-        array = mesh_utils.create_device_mesh(shape, devices=devices)
-    except (ValueError, AssertionError, NotImplementedError):
-        array = np.asarray(devices).reshape(shape)
+    dcn = dcn or {}
+    outer = tuple(int(dcn.get(a, 1)) for a in AXES)
+    inner = tuple(sizes[a] // d for a, d in zip(AXES, outer))
+    if math.prod(outer) == 1:
+        array = _slice_mesh(inner, devices)
+    else:
+        slices = device_slices(devices, math.prod(outer))
+        order = sorted(set(slices))
+        groups = [_slice_mesh(inner, [d for d, s in zip(devices, slices) if s == k]) for k in order]
+        # [dcn..., ici...] -> interleave each axis's (dcn, ici) pair -> merge: the index is slice-major
+        array = np.stack(groups).reshape(outer + inner)
+        n = len(AXES)
+        array = array.transpose([k for i in range(n) for k in (i, n + i)]).reshape(
+            tuple(sizes[a] for a in AXES))
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     return jax.sharding.Mesh(array, AXES, axis_types=auto)
 
 
-def describe(mesh: jax.sharding.Mesh) -> str:
-    """One line: the non-trivial axis sizes and the device count."""
-    parts = [f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1] or ["single device"]
+def _slice_mesh(shape, devices) -> np.ndarray:
+    """The devices of one slice in `shape`: the topology-aware order where the platform has one."""
+    try:
+        from jax.experimental import mesh_utils
+        return mesh_utils.create_device_mesh(shape, devices=devices)
+    except (ValueError, AssertionError, NotImplementedError):
+        return np.asarray(devices).reshape(shape)
+
+
+def describe(mesh: jax.sharding.Mesh, dcn: dict[str, int] | None = None) -> str:
+    """One line: the non-trivial axis sizes (with the slices an axis spans) and the device count."""
+    dcn = dcn or {}
+    parts = [f"{a}={mesh.shape[a]}" + (f" ({dcn[a]} slices)" if dcn.get(a, 1) > 1 else "")
+             for a in AXES if mesh.shape[a] > 1] or ["single device"]
     return f"mesh {' '.join(parts)} ({mesh.size} {mesh.devices.flat[0].platform} devices)"

@@ -56,6 +56,7 @@ class Plan:
     platform: str = "cpu"  # of the devices it is made for (`model.target_platform()` during the checks)
     parts: Parts | None = None  # with a pipeline: what the model's parts read (traced once)
     lora: lora_lib.LoraSettings = lora_lib.OFF  # adapters (in `blocks`, beside their weights) and the frozen rest
+    dcn: dict = dataclasses.field(default_factory=dict)  # mesh axis -> slices it spans (config.dcn; {}: one slice)
 
     @property
     def trainable(self) -> dict | None:
@@ -87,7 +88,7 @@ class Plan:
         return build_model(self.model_class, self.model_config, self.lora, seed)
 
     def make_mesh(self, devices) -> jax.sharding.Mesh:
-        return mesh_lib.make_mesh(self.sizes, devices)
+        return mesh_lib.make_mesh(self.sizes, devices, self.dcn)
 
     def abstract_mesh(self) -> jax.sharding.AbstractMesh:
         auto = (jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES)
@@ -107,6 +108,7 @@ def make_plan(config, num_devices: int, platform: str | None = None) -> Plan:
 
 def _make_plan(config, num_devices, platform):
     sizes = mesh_lib.resolve_axis_sizes(config.mesh, num_devices, platform)
+    dcn = mesh_lib.resolve_dcn(config.get("dcn"), sizes)
     m = config.model
     cls = model_lib.model_class(m.name)
     model_lib.check_keys(m, cls)
@@ -164,7 +166,7 @@ def _make_plan(config, num_devices, platform):
         config=config, sizes=sizes, rules=rules, batch_axes=batch_axes, model_class=cls, model_config=model_config,
         graphdef=graphdef, abstract_params=abstract_params, logical=logical, parallelism=par, train=train,
         optim=optimizer, pipeline=pipeline, diloco=diloco, attention=attention, remat=str(m.remat),
-        num_layers=int(m.num_layers), platform=platform, lora=lora)
+        num_layers=int(m.num_layers), platform=platform, lora=lora, dcn=dcn)
     if pipeline.schedule is None:
         return dataclasses.replace(plan, dpo=dpo)
     parts = Parts.make(plan)  # what the model's parts read (of the language model's batch), traced once

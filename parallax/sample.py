@@ -22,7 +22,7 @@ def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
     from parallax.errors import ConfigError
     from parallax.trainer import Trainer
 
-    from parallax import remote
+    from parallax import mesh as mesh_lib, remote
 
     if remote.is_remote(workdir):  # the run's local copy, brought up to date from the bucket
         workdir = remote.Mirror(str(workdir)).pull()
@@ -34,8 +34,7 @@ def load_workdir(workdir: str, mesh: dict | None = None, devices=None):
     unknown = set(mesh) - set(config.mesh)
     if unknown:
         raise ConfigError(f"mesh {mesh}: {sorted(unknown)[0]!r} is not a mesh axis ({', '.join(config.mesh)})")
-    for axis in config.mesh:
-        config.mesh[axis] = int(mesh.get(axis, 1))
+    mesh_lib.set_sizes(config, mesh)
     n = math.prod(config.mesh.values())
     if devices is None:
         if n > len(jax.devices()):

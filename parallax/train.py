@@ -448,7 +448,7 @@ def _start(trainer, dataset, checkpointer, workdir, lead, log, tokenizer=None, g
             kept = None
         if tokenizer is not None and kept is None:  # the run's copy: sampling and export read it
             tokenizer.copy_to(str(workdir / "tokenizer"))
-    log(f"parallax: {mesh_lib.describe(trainer.mesh)}; model {config.model.name} "
+    log(f"parallax: {mesh_lib.describe(trainer.mesh, trainer.plan.dcn)}; model {config.model.name} "
         f"{trainer.num_params / 1e6:.2f}M params; {dataset.describe()}")
     log(f"throughput: {throughput(trainer.plan, trainer.mesh).describe()}")
     for line in optim.schedule_warnings(trainer.plan.optim, config.train.steps):

@@ -63,7 +63,7 @@ def test_fsdp_gathers_each_layer_once_per_iteration_over_its_axis():
     x = jax.ShapeDtypeStruct((M, K), jnp.float32, sharding=NamedSharding(mesh, P("data")))
     counted = cost.step_costs(jax.jit(loss).lower(ws, x).compile(), dict(mesh.shape))
     gathers = counted.collectives[("all-gather", ("fsdp",))]
-    assert gathers == {"count": L, "bytes": L * K * K * 4, "sent": L * K * K * 4 * 3 / 4}
+    assert gathers == {"count": L, "bytes": L * K * K * 4, "sent": L * K * K * 4 * 3 / 4, "dcn_count": 0, "dcn_sent": 0}
     assert set(counted.by_axes()) == {("fsdp",), ("data",)}
     assert counted.flops == L * 2 * (M // 2) * K * K  # each device: its half of the batch
 
@@ -80,10 +80,79 @@ def test_a_two_stage_pipeline_sends_its_activations_once_per_tick():
     fn = jax.shard_map(stage, mesh=mesh, in_specs=(P("pipe"), P("data")), out_specs=P("data"), check_vma=False)
     w = jax.ShapeDtypeStruct((2, K, K), jnp.float32, sharding=NamedSharding(mesh, P("pipe")))
     x = jax.ShapeDtypeStruct((M, K), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-    counted = cost.step_costs(jax.jit(fn).lower(w, x).compile(), dict(mesh.shape))
-    assert counted.collectives == {("collective-permute", ("pipe",)): {
-        "count": ticks, "bytes": ticks * M // 2 * K * 4, "sent": ticks * M // 2 * K * 4}}
+    compiled = jax.jit(fn).lower(w, x).compile()
+    sent = ticks * M // 2 * K * 4
+    # the devices in two slices (mesh order), first along pipe, then along data
+    for slices, crossing in (([0, 0, 1, 1], ticks), ([0, 1, 0, 1], 0)):
+        counted = cost.step_costs(compiled, dict(mesh.shape), slices=slices)
+        assert counted.collectives == {("collective-permute", ("pipe",)): {
+            "count": ticks, "bytes": sent, "sent": sent, "dcn_count": crossing, "dcn_sent": sent * crossing / ticks}}
     assert counted.flops == ticks * 2 * (M // 2) * K * K
+    assert [(w["op"], w["times"], w["flops"]) for w in counted.windows] == [("collective-permute", ticks, 0)]
+
+
+# One scheduled program with async collectives, as the TPU compiler prints them (XLA:CPU runs collectives
+# synchronously): an all-gather in flight over a fusion holding a 8x16 @ 16x32 dot, then a while loop
+# of 3 trips whose body runs a 8x32 @ 32x32 dot while an all-reduce of its own is in flight, and a
+# synchronous reduce-scatter after it.
+_SCHEDULED = """HloModule scheduled
+
+%fused_dot (p0: f32[8,16], p1: f32[16,32]) -> f32[8,32] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16,32]{1,0} parameter(1)
+  ROOT %d = f32[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (t: (s32[], f32[8,32], f32[32,32])) -> (s32[], f32[8,32], f32[32,32]) {
+  %t = (s32[], f32[8,32]{1,0}, f32[32,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8,32]{1,0} get-tuple-element(%t), index=1
+  %w = f32[32,32]{1,0} get-tuple-element(%t), index=2
+  %ar-start = f32[32,32]{1,0} all-reduce-start(%w), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %y = f32[8,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar-done = f32[32,32]{1,0} all-reduce-done(%ar-start)
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[8,32]{1,0}, f32[32,32]{1,0}) tuple(%j, %y, %ar-done)
+}
+
+%cond (t: (s32[], f32[8,32], f32[32,32])) -> pred[] {
+  %t = (s32[], f32[8,32]{1,0}, f32[32,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,16], b: f32[4,32]) -> f32[8,32] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[4,32]{1,0} parameter(1)
+  %ag-start = (f32[4,32]{1,0}, f32[16,32]{1,0}) all-gather-start(%b), replica_groups={{0,1,2,3}}, dimensions={0}
+  %w0 = f32[16,32]{1,0} parameter(2)
+  %f = f32[8,32]{1,0} fusion(%a, %w0), kind=kOutput, calls=%fused_dot
+  %ag-done = f32[16,32]{1,0} all-gather-done(%ag-start)
+  %zero = s32[] constant(0)
+  %w1 = f32[32,32]{1,0} parameter(3)
+  %init = (s32[], f32[8,32]{1,0}, f32[32,32]{1,0}) tuple(%zero, %f, %w1)
+  %loop = (s32[], f32[8,32]{1,0}, f32[32,32]{1,0}) while(%init), condition=%cond, body=%body
+  %out = f32[8,32]{1,0} get-tuple-element(%loop), index=1
+  ROOT %rs = f32[2,32]{1,0} reduce-scatter(%out), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}
+"""
+
+
+def test_a_collective_is_hidden_by_the_compute_the_schedule_puts_in_its_window():
+    counted = cost.step_costs(_SCHEDULED, {"data": 2, "fsdp": 2})
+    windows = {w["op"]: (w["times"], w["flops"], w["sent"]) for w in counted.windows}
+    assert windows == {"all-gather": (1, 2 * 8 * 16 * 32, 3 / 4 * 16 * 32 * 4),  # the fusion's dot
+                       "all-reduce": (3, 2 * 8 * 32 * 32, 2 * 1 / 2 * 32 * 32 * 4),  # each trip's dot
+                       "reduce-scatter": (1, 0, 3 * 2 * 32 * 4)}  # synchronous: nothing in flight
+    assert counted.flops == 2 * 8 * 16 * 32 + 3 * 2 * 8 * 32 * 32
 
 
 def test_a_conditional_counts_its_costliest_branch_and_lists_each(args):

@@ -7,6 +7,10 @@ from parallax.errors import ConfigError
 from parallax.estimate import CHIPS, estimate
 
 
+def _window(op, axes, sent, flops, times=4, dcn_sent=0.0):
+    return {"op": op, "axes": axes, "sent": sent, "dcn_sent": dcn_sent, "times": times, "flops": flops, "bytes": 0.0}
+
+
 def _costs():
     costs = StepCosts(flops=459e12, bytes=2765e9 / 2)  # on v5p: 1 s of matmuls at peak, 0.5 s of HBM traffic
     costs.collectives = {
@@ -14,24 +18,38 @@ def _costs():
         ("reduce-scatter", ("fsdp",)): {"count": 4, "bytes": 0.0, "sent": 100e9},
         ("all-reduce", ("data",)): {"count": 1, "bytes": 0.0, "sent": 6.25e9 / 2},  # 3.125 GB
     }
+    # as scheduled: each gather (25 GB, 125 ms on ICI) in flight over 100 ms of matmuls, each reduce-scatter
+    # over 200 ms, the all-reduce synchronous
+    costs.windows = [_window("all-gather", ("fsdp",), 25e9, 0.1 * 459e12),
+                     _window("reduce-scatter", ("fsdp",), 25e9, 0.2 * 459e12),
+                     _window("all-reduce", ("data",), 6.25e9 / 2, 0.0, times=1)]
     return costs
 
 
 def test_compute_memory_and_each_axis_at_the_published_figures():
     # v5p: 1200 GB/s bidirectional ICI per chip over a 3D torus: 600 out, 100 per link, 200 along one axis's
     # two links; DCN 50 Gbps = 6.25 GB/s per chip.
-    ici = estimate(_costs(), "v5p")
+    ici = estimate(_costs(), "v5p", model_flops=0.5 * 459e12)
     assert ici.compute_s == pytest.approx(1.0) and ici.memory_s == pytest.approx(0.5)
     assert ici.collectives_s == pytest.approx({("fsdp",): 1.0, ("data",): 3.125 / 200})
     assert ici.overlapped_s == pytest.approx(1.015625) and ici.serial_s == pytest.approx(2.015625)
+    # exposed: 4 gathers x 25 ms, the all-reduce whole
+    assert ici.exposed_s == pytest.approx(4 * 0.025 + 3.125 / 200) and ici.seconds == pytest.approx(1.115625)
+    assert ici.mfu == pytest.approx(0.5 / 1.115625)
     dcn = estimate(_costs(), "v5p", dcn_axes=("data",))
-    assert dcn.collectives_s[("data",)] == pytest.approx(0.5)
+    assert dcn.collectives_s[("data",)] == pytest.approx(0.5) and dcn.dcn_s == pytest.approx(0.5)
     assert dcn.overlapped_s == pytest.approx(1.5) and dcn.serial_s == pytest.approx(2.5)
-    assert dcn.utilisation(dcn.serial_s) == pytest.approx(0.4)
+    assert dcn.seconds == pytest.approx(1.6) and dcn.utilisation(dcn.serial_s) == pytest.approx(0.4)
     lines = dcn.lines()
-    assert lines[0] == ("estimated step on TPU v5p: 1.5 s - 2.5 s (collectives all hidden - none hidden); compute "
-                        "1 s at peak, memory 500 ms (an upper bound), collectives 1.5 s: fsdp 1 s, data 500 ms (DCN)")
-    assert lines[1] == "  hardware FLOPs utilisation 40.0% - 66.7%; exposed collectives 0% - 60.0% of the step"
+    assert lines[0] == ("estimated step on TPU v5p: 1.6 s (hardware FLOPs utilisation 62.5%; exposed collectives "
+                        "600 ms, 37.5% of the step)")
+    assert lines[1] == ("  compute 1 s at peak, memory 500 ms (an upper bound), collectives 1.5 s (500 ms across "
+                        "slices): fsdp 1 s, data 500 ms (DCN); bounds 1.5 s (all hidden) - 2.5 s (none hidden)")
+    # counted as crossing slices (the devices' groups span them): the crossing bytes at DCN, the rest at ICI
+    crossing = _costs()
+    crossing.collectives[("all-reduce", ("data",))]["dcn_sent"] = 6.25e9 / 2
+    crossing.windows[2]["dcn_sent"] = 6.25e9 / 2
+    assert estimate(crossing, "v5p").seconds == pytest.approx(dcn.seconds)
     # int8 matmuls at the int8 peak where one is published (v5e: 393 TOP/s against 197 TFLOP/s)
     assert estimate(_costs(), "v5e", int8=True).compute_s == pytest.approx(459 / 393)
     assert estimate(_costs(), "v5p", int8=True).compute_s == pytest.approx(1.0)  # none published: bf16's
@@ -43,3 +61,7 @@ def test_unknown_chips_and_unpriced_dcn_axes_are_one_line():
         estimate(_costs(), "tpu9")
     with pytest.raises(ConfigError, match=r"^--dcn_axes=data: no published DCN bandwidth for TPU v6e"):
         estimate(_costs(), "v6e", dcn_axes=("data",))
+    crossing = _costs()
+    crossing.collectives[("all-reduce", ("data",))]["dcn_sent"] = 1.0
+    with pytest.raises(ConfigError, match=r"^a mesh over several slices: no published DCN bandwidth for TPU v6e"):
+        estimate(crossing, "v6e")

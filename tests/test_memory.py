@@ -69,6 +69,11 @@ def test_plan_compiles_for_a_tpu_topology_and_checks_the_mesh_against_its_device
     mismatched = _plan(*args, "--config.mesh.data=8")
     assert mismatched.returncode == 2
     assert "(4 devices)" in mismatched.stderr and "has 8 devices" in mismatched.stderr
+    # two slices over the data-center network, data over DCN, priced at v5p's DCN in the estimate
+    two = _plan(*args, "--slices=2", "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.dcn.data=2")
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert "8 x TPU v5 in 2 slices (--topology=v5p:2x2x1" in two.stdout
+    assert re.search(r"all-reduce over data: \d+ x", two.stdout) and " across slices)" in two.stdout
 
 
 def test_pipelined_plan_compiles_for_a_tpu_topology_with_the_attention_kernel():
