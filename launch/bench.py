@@ -14,6 +14,7 @@
     python launch/bench.py --part=split                                # the split backward's counted FLOPs
     python launch/bench.py --part=quant --steps=800                    # 8-bit vs unquantized: eval loss (quickstart)
     python launch/bench.py --part=quant --quant_model=bpe --steps=400  # the same, 8 x 256 Llama on a BPE corpus
+    python launch/bench.py --part=rank --cpu_devices=8                 # the step-time estimate's ranking vs measured
                                                                        # (Python 3.12 + libtpu, compile only)
 
 Prints markdown tables. On simulated CPU devices the times measure the program, not a real interconnect;
@@ -41,7 +42,7 @@ OVERLAP_SCHEDULES = [n for n, k in KINDS.items() if k.chunks == 2 and not k.pair
 
 flags.DEFINE_integer("cpu_devices", 8, "Simulated CPU devices (0: use the real devices).", lower_bound=0)
 flags.DEFINE_enum("part", "all", ["all", "mesh", "pipeline", "balance", "muon", "data", "device", "generate",
-                                  "diloco", "overlap", "packs", "memory", "split", "quant"],
+                                  "diloco", "overlap", "packs", "memory", "split", "quant", "rank"],
                   "Which benchmark to run (all: mesh + pipeline).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "--part=quant: the compute dtype of every run.")
 flags.DEFINE_enum("quant_model", "quickstart", ["quickstart", "bpe"],
@@ -110,6 +111,74 @@ def bench_meshes(steps):
         dt, loss = _time_steps(trainer, make_dataset(config), steps)
         tokens = config.train.global_batch_size * config.train.seq_len
         print(f"| {name} | {dt:.3f} | {tokens / dt:,.0f} | {loss:.4f} |", flush=True)
+
+
+RANK_MESHES = [("data=8", dict(data=8)), ("fsdp=8", dict(fsdp=8)), ("data=2 fsdp=4", dict(data=2, fsdp=4)),
+               ("data=4 tensor=2", dict(data=4, tensor=2)), ("fsdp=4 tensor=2", dict(fsdp=4, tensor=2)),
+               ("data=4 pipe=2 1f1b", dict(data=4, pipe=2)), ("data=2 pipe=4 1f1b", dict(data=2, pipe=4)),
+               ("data=4 seq=2 ring", dict(data=4, seq=2, model__attention="ring"))]
+
+
+def bench_rank(steps, repeats=3):
+    """The step-time estimate (`parallax.estimate`, from the counted costs of each compiled step) against the
+    measured step time of the bench model on 8 simulated CPU devices, for `RANK_MESHES`. A CPU has no
+    interconnect and no published figures: its four constants (matmul FLOP/s, memory bytes/s, collective
+    bytes/s and seconds per collective, the simulated devices sharing the host's cores) are fitted once, to
+    these measurements (least squares of the log step time), and printed. Noise: each mesh is timed `repeats`
+    times; a pair of meshes counts where the estimates differ by more than the two measurements' spreads."""
+    import jax
+    import numpy as np
+    from scipy.optimize import minimize
+
+    from parallax.estimate import Chip, estimate
+    from parallax.memory import memory_report
+    from parallax.train import make_dataset
+    from parallax.trainer import Trainer
+
+    rows = []
+    for name, mesh in RANK_MESHES:
+        config = _config(**mesh)
+        devices = jax.devices()[:8]
+        trainer = Trainer(config, devices=devices)
+        dataset = make_dataset(config)
+        times = sorted(_time_steps(trainer, dataset, steps)[0] for _ in range(repeats))
+        costs = memory_report(config, devices).costs
+        rows.append((name, float(np.median(times)), times[-1] - times[0], costs))
+        print(f"measured {name}: {rows[-1][1]:.4f} s (spread {rows[-1][2]:.4f})", file=sys.stderr, flush=True)
+
+    def chip(log_rates):
+        flops, memory, link, latency = np.exp(log_rates)
+        return Chip("CPU (fitted)", flops, None, memory, link=link, dcn=None, source="fitted to these measurements",
+                    latency=latency)
+
+    def loss(log_rates):
+        c = chip(log_rates)
+        return sum((np.log(estimate(costs, c).seconds) - np.log(t)) ** 2 for _, t, _, costs in rows)
+    fitted = minimize(loss, np.log([1e10, 1e10, 1e9, 1e-5]), method="Nelder-Mead", options=dict(maxiter=8000)).x
+    cpu = chip(fitted)
+    est = [estimate(costs, cpu).seconds for *_, costs in rows]
+    measured = [t for _, t, _, _ in rows]
+    print(f"CPU constants (fitted once): {cpu.peak_bf16 / 1e9:.3g} GFLOP/s in matmuls, {cpu.hbm / 1e9:.3g} GB/s "
+          f"memory traffic, {cpu.link / 1e9:.3g} GB/s collectives + {cpu.latency * 1e6:.3g} us each (per "
+          f"simulated device, all exposed: XLA:CPU runs collectives synchronously)\n")
+    order_m = {rows[i][0]: k + 1 for k, i in enumerate(np.argsort(measured))}
+    order_e = {rows[i][0]: k + 1 for k, i in enumerate(np.argsort(est))}
+    print("| mesh | measured step (s) | spread | FLOPs / device | bytes / device | collectives (count, bytes sent) "
+          "| estimated (s) | rank measured | rank estimated |\n|---|---|---|---|---|---|---|---|---|")
+    for (name, t, spread, costs), e in zip(rows, est):
+        count = sum(c["count"] for c in costs.collectives.values() if c["sent"])
+        unknown = f" ({costs.unknown_loops} loops of unknown trip count)" if costs.unknown_loops else ""
+        print(f"| {name}{unknown} | {t:.4f} | {spread:.4f} | {costs.flops:.3g} | {costs.bytes:.3g} | {count:g}, "
+              f"{sum(costs.by_axes('sent').values()):.3g} | {e:.4f} | {order_m[name]} | {order_e[name]} |")
+    pairs, wrong = 0, []
+    for i in range(len(rows)):
+        for j in range(i + 1, len(rows)):
+            if abs(est[i] - est[j]) > rows[i][2] + rows[j][2]:  # the estimates differ by more than the noise
+                pairs += 1
+                if (measured[i] < measured[j]) != (est[i] < est[j]):
+                    wrong.append(f"{rows[i][0]} / {rows[j][0]}")
+    print(f"\npairs whose estimates differ by more than the two measurements' spreads: {pairs}; ordered as "
+          f"measured: {pairs - len(wrong)}" + (f"; not: {', '.join(wrong)}" if wrong else ""))
 
 
 def bench_pipeline(steps, schedules):
@@ -767,6 +836,8 @@ def main(_):
               f"d_model 128, batch 16 x 128 tokens (pipeline: 2 rows per microbatch per data shard)\n")
     if FLAGS.part in ("all", "mesh"):
         bench_meshes(FLAGS.steps)
+    if FLAGS.part == "rank":
+        bench_rank(FLAGS.steps)
     if FLAGS.part in ("all", "pipeline"):
         bench_pipeline(FLAGS.steps, FLAGS.schedules)
     if FLAGS.part == "balance":

@@ -11,6 +11,14 @@ figures; `pip install -e '.[tpu]'`, Python 3.12), and --hbm_gib defaults to the 
 is the lower of the buffers' sum and the compiler's own peak (docs/memory.md, "Which peak"). The last line
 is `peak_gib=X hbm_gib=Y fits=yes|no`; the exit status is 0 when it fits, 1 when it does not (with what to
 change), 2 for a config error.
+
+    python launch/plan.py --config=configs/llama3_8b.py --topology=v5p:4x4x4 --search [--slices=4] \
+        [--budget_s=600] [--compile_top=4] [--search_out=best.json]
+
+--search chooses instead: meshes (and the axis that spans the slices), pipeline schedules and microbatches,
+remat and accumulation, ranked by an analytic estimate, the likely winners compiled until --compile_top fit
+or --budget_s is spent (parallax/search.py); it prints the table and writes the fastest that fits as a
+config file (a run's config.json: `--config=best.json`). Exit 0 when one fits, 1 when none does.
 """
 
 import math
@@ -33,6 +41,13 @@ flags.DEFINE_string("chip", None, "Estimate the step time on this chip (v5p, v5e
                     "--topology chip): compute at its peak, memory at its HBM bandwidth, collectives at its links.")
 flags.DEFINE_list("dcn_axes", [], "Mesh axes whose collectives cross slices or nodes, priced at the data-center "
                   "network's bandwidth in the estimate (e.g. replica,data).")
+flags.DEFINE_string("hlo_out", "", "Also write the compiled train step's optimized HLO text to this file (count it "
+                    "with `python -m parallax.cost FILE --devices=N`).")
+flags.DEFINE_bool("search", False, "Search meshes, schedules, microbatches and remat for the fastest step that "
+                  "fits (the config's own mesh is ignored).")
+flags.DEFINE_integer("budget_s", 600, "--search: seconds to spend compiling candidates.")
+flags.DEFINE_integer("compile_top", 4, "--search: stop after this many compiled candidates fit.")
+flags.DEFINE_string("search_out", "", "--search: write the winner's config here (JSON; default: print only).")
 FLAGS = flags.FLAGS
 
 
@@ -61,7 +76,8 @@ def _devices(config):
 
         devices = tpu_devices(FLAGS.topology, FLAGS.slices)
         try:
-            resolve_axis_sizes(config.mesh, len(devices), "tpu")
+            if not FLAGS.search:
+                resolve_axis_sizes(config.mesh, len(devices), "tpu")
         except ConfigError as e:
             raise ConfigError(f"--topology={FLAGS.topology} ({len(devices)} devices): {e}") from None
         slices = f" in {FLAGS.slices} slices" if FLAGS.slices > 1 else ""
@@ -71,7 +87,7 @@ def _devices(config):
         raise ConfigError(f"--slices={FLAGS.slices} needs --topology (simulated CPU devices are split into "
                           f"config.dcn's slices by themselves)")
     sizes = [int(v) for v in config.mesh.values()]
-    n = FLAGS.devices or (math.prod(sizes) if min(sizes) > 0 else 0)
+    n = FLAGS.devices or (math.prod(sizes) if min(sizes) > 0 and not FLAGS.search else 0)
     if n <= 0:
         raise ConfigError(f"config.mesh has an inferred axis (-1): pass --devices=N, or spell every mesh size "
                           f"out ({dict(config.mesh)})")
@@ -120,7 +136,9 @@ def main(argv, overrides):
         elif FLAGS.dcn_axes:
             raise ConfigError(f"--dcn_axes={','.join(FLAGS.dcn_axes)}: prices collectives in the step-time estimate, "
                               "which needs --chip (or a --topology with known figures)")
-        report = memory_report(config, devices)
+        if FLAGS.search:
+            _search(config, devices, described, chip or "v5p", hbm_gib)
+        report = memory_report(config, devices, hlo_out=FLAGS.hlo_out)
     except ConfigError as e:
         _config_exit(e)
     fits = report.peak <= hbm_gib * GIB
@@ -137,12 +155,54 @@ def main(argv, overrides):
     print("\n".join(describe(report.costs)))
     if chip is not None:
         print("\n".join(estimate(report.costs, chip, FLAGS.dcn_axes, int8=config.quant.mode != "none",
-                                  model_flops=report.model_flops, bubble=report.bubble).lines()))
+                                  model_flops=report.model_flops, bubble=report.bubble,
+                                  kernel_flops=report.kernel_flops).lines()))
     if config.quant.mode != "none":
         print(f"quant: {config.quant.mode} (the layers' projections on 8-bit operands; FSDP weight gathers "
               f"{'in 8 bits' if config.quant.gather else 'in the compute dtype'})")
     print(f"\npeak_gib={report.peak / GIB:.2f} hbm_gib={hbm_gib:g} fits={'yes' if fits else 'no'}")
     sys.exit(0 if fits else 1)
+
+
+def _search(config, devices, described, chip, hbm_gib):
+    """--search: prints the table, writes the winner (--search_out), exits 0 if one fits, else 1."""
+    import time
+
+    from tqdm import tqdm
+
+    from parallax import search
+    from parallax.estimate import CHIPS
+
+    slices = FLAGS.slices if FLAGS.topology else 1
+    print(f"{FLAGS.config}: searching {described}; compiling for at most {FLAGS.budget_s} s", flush=True)
+    start = time.monotonic()
+    bar = tqdm(desc="compiling candidates", unit="compile")
+
+    def progress(fitted, label):  # before each compile: the count so far, and which one now
+        bar.update(0 if bar.postfix is None else 1)
+        bar.set_postfix_str(f"{fitted} of {FLAGS.compile_top} fit; now {label}")
+    rows = search.search(config, lambda: devices, len(devices), CHIPS[chip], hbm_gib, slices=slices,
+                         budget_s=FLAGS.budget_s, compile_top=FLAGS.compile_top, progress=progress)
+    bar.update(1)
+    bar.close()
+    compiled = [r for r in rows if r.compiled]
+    for r in rows:
+        if r.error:
+            print(f"not compiled: {r.candidate.label()}: {r.error}")
+    print(f"\n{len(rows)} candidates priced analytically, {len(compiled)} compiled in "
+          f"{time.monotonic() - start:.0f} s; estimates on {CHIPS[chip].name}\n")
+    print(search.table(rows, hbm_gib=hbm_gib))
+    best = next((r for r in compiled if r.fits), None)
+    if best is None:
+        print(f"\nnone of the compiled candidates fits in {hbm_gib:g} GiB; raise --budget_s or --compile_top")
+        sys.exit(1)
+    print(f"\nbest: {best.candidate.label()}: {search._t(best.estimate.seconds)} per step (estimated), "
+          f"peak {best.peak_gib:.2f} GiB")
+    if FLAGS.search_out:
+        with open(FLAGS.search_out, "w") as f:
+            f.write(best.candidate.apply(config, slices).to_json_best_effort(indent=2))
+        print(f"wrote {FLAGS.search_out} (train with --config={FLAGS.search_out})")
+    sys.exit(0)
 
 
 def cli():

@@ -162,8 +162,9 @@ def _record() -> dict:
 
 def _axes(groups, mesh_shape: dict[str, int] | None) -> tuple[str, ...]:
     """The mesh axes along which the devices of `groups` differ (`mesh_shape`: {axis: size} in mesh order)."""
-    if not mesh_shape:
-        return ("devices",) if max(len(g) for g in groups) > 1 else ()
+    if not mesh_shape:  # no mesh: named by the group size
+        size = max(len(g) for g in groups)
+        return (f"groups of {size}",) if size > 1 else ()
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     varying = set()
     for group in groups:
@@ -430,3 +431,29 @@ def to_json(costs: StepCosts) -> str:
                        "unknown_loops": costs.unknown_loops,
                        "collectives": [{"op": op, "axes": list(axes), **c}
                                        for (op, axes), c in sorted(costs.collectives.items())]})
+
+
+def main(argv=None) -> None:
+    """`python -m parallax.cost FILE.hlo.txt --devices=N [--chip=v5p]`: the counts of any program's optimized
+    HLO text (`compiled.as_text()`, e.g. another framework's train step), its collectives named by their
+    device groups' size, and the step-time estimate on `--chip`. How docs/benchmarks.md compares MaxText."""
+    import argparse
+
+    from parallax.estimate import estimate
+
+    parser = argparse.ArgumentParser(prog="python -m parallax.cost", description=main.__doc__.split("\n")[0])
+    parser.add_argument("hlo", help="a file of optimized HLO text")
+    parser.add_argument("--devices", type=int, required=True, help="devices the program was compiled for")
+    parser.add_argument("--chip", default="", help="estimate the step on this chip (v5p, v5e, v6e, h100, h200)")
+    parser.add_argument("--kernel_flops", type=float, default=0.0, help="FLOPs per device in custom calls "
+                        "(attention kernels), which the HLO does not show")
+    args = parser.parse_args(argv)
+    with open(args.hlo) as f:
+        costs = step_costs(f.read(), None, args.devices)
+    print("\n".join(describe(costs)))
+    if args.chip:
+        print("\n".join(estimate(costs, args.chip, kernel_flops=args.kernel_flops).lines()))
+
+
+if __name__ == "__main__":
+    main()

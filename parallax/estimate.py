@@ -13,7 +13,8 @@ bound it. A collective whose device groups span slices (`StepCosts` `dcn_sent`, 
 `dcn_axes`) runs at the data-center network's bandwidth: a ring is as fast as its slowest link. `bytes` is
 an upper bound of the memory traffic (see `parallax.cost`), so `memory_s` is too. A pipeline's ticks are
 counted at their costliest action (`parallax.cost`), which is at least the lockstep time; its bubble
-(`bubble`, from `parallax.pipeline.simulate` at equal stage costs) is reported beside, not subtracted.
+(`bubble`, from `parallax.pipeline.simulate` at the stages' counted FLOPs) is reported beside, not
+subtracted.
 MFU is the model's FLOPs (`Model.flops_per_token`, no recompute) over the chip's peak in `seconds`.
 
 Per-axis link bandwidth: an axis's ring runs along one dimension of the torus (TPU) and sends to both of its
@@ -39,6 +40,7 @@ class Chip:
     link: float  # bytes/s one device sends along one mesh axis inside a slice / node (the module's rule)
     dcn: float | None  # bytes/s one device sends across slices / nodes (None: not published)
     source: str
+    latency: float = 0.0  # seconds each collective costs besides its bytes (the alpha of alpha-beta; 0: not modelled)
 
 
 # Published figures (the vendors' pages named in `source`, read 2026-12-07).
@@ -71,7 +73,8 @@ class Estimate:
     exposed_s: float = 0.0  # collectives' time not covered by the compute in their windows
     model_flops: float = 0.0  # per device and step (MFU's numerator); 0: unknown
     dcn_s: float = 0.0  # of the collectives' time, what crosses slices
-    bubble: float | None = None  # a pipeline's lockstep bubble (simulator, equal stage costs)
+    bubble: float | None = None  # a pipeline's lockstep bubble (simulator, at the stages' counted FLOPs)
+    kernel_s: float = 0.0  # of `compute_s`, the attention kernel's (from the model's sizes, not the HLO)
     peak: float = 0.0  # the FLOP/s the compute is priced at (bf16, or int8 for 8-bit matmuls)
 
     @property
@@ -110,9 +113,11 @@ class Estimate:
         return [f"estimated step on {self.chip.name}: {_t(self.seconds)} ({mfu}hardware FLOPs utilisation "
                 f"{100 * self.utilisation(self.seconds):.1f}%; exposed collectives {_t(self.exposed_s)}, "
                 f"{100 * self.exposed_s / self.seconds if self.seconds else 0:.1f}% of the step)"
-                + (f"; pipeline bubble {100 * self.bubble:.1f}% (lockstep, equal stages; in the counted ticks)"
-                   if self.bubble is not None else ""),
-                f"  compute {_t(self.compute_s)} at peak, memory {_t(self.memory_s)} (an upper bound), collectives "
+                + (f"; pipeline bubble {100 * self.bubble:.1f}% (the lockstep simulator at the stages' counted "
+                   f"FLOPs; already in the counted ticks)" if self.bubble is not None else ""),
+                f"  compute {_t(self.compute_s)} at peak"
+                + (f" ({_t(self.kernel_s)} of it in attention kernels, from the model's sizes)" if self.kernel_s else "")
+                + f", memory {_t(self.memory_s)} (an upper bound), collectives "
                 f"{_t(self.comm_s)}" + (f" ({_t(self.dcn_s)} across slices)" if self.dcn_s else "")
                 + (f": {per_axis}" if per_axis else "")
                 + f"; bounds {_t(self.overlapped_s)} (all hidden) - {_t(self.serial_s)} (none hidden)",
@@ -124,11 +129,13 @@ def _t(seconds: float) -> str:
 
 
 def estimate(costs, chip: Chip | str, dcn_axes=(), int8: bool = False, model_flops: float = 0.0,
-             bubble: float | None = None) -> Estimate:
+             bubble: float | None = None, kernel_flops: float = 0.0) -> Estimate:
     """The estimate of one step of `costs` (`parallax.cost.StepCosts`, per device) on `chip` (a `Chip` or a
     key of `CHIPS`). `dcn_axes`: mesh axes whose collectives are priced as crossing slices or nodes (a
     what-if for a program compiled for one slice; collectives counted as crossing, `dcn_sent`, are priced so
-    anyway); `int8`: the matmuls at the int8 peak; `model_flops`: per device and step, for MFU."""
+    anyway); `int8`: the matmuls at the int8 peak; `model_flops`: per device and step, for MFU;
+    `kernel_flops`: the FLOPs of custom calls (an attention kernel's), which the HLO does not show, at the
+    bf16 peak."""
     from parallax.errors import ConfigError
 
     if isinstance(chip, str):
@@ -150,11 +157,14 @@ def estimate(costs, chip: Chip | str, dcn_axes=(), int8: bool = False, model_flo
     collectives, dcn_s = {}, 0.0
     for (_, axes), c in costs.collectives.items():
         t, over_dcn = seconds(axes, c["sent"], c.get("dcn_sent", 0.0))
+        t += chip.latency * c["count"] if c["sent"] else 0.0
         collectives[axes] = collectives.get(axes, 0.0) + t
         dcn_s += over_dcn
     exposed = 0.0
     for w in costs.windows:
         t, _ = seconds(w["axes"], w["sent"], w["dcn_sent"])
+        t += chip.latency if w["sent"] else 0.0
         exposed += w["times"] * max(0.0, t - max(w["flops"] / peak, w["bytes"] / chip.hbm))
-    return Estimate(chip, costs.flops / peak, costs.bytes / chip.hbm, collectives, dcn_axes, exposed_s=exposed,
-                    model_flops=model_flops, dcn_s=dcn_s, bubble=bubble, peak=peak)
+    return Estimate(chip, costs.flops / peak + kernel_flops / chip.peak_bf16, costs.bytes / chip.hbm, collectives, dcn_axes, exposed_s=exposed,
+                    model_flops=model_flops, dcn_s=dcn_s, bubble=bubble, peak=peak,
+                    kernel_s=kernel_flops / chip.peak_bf16)

@@ -37,7 +37,7 @@ import jax
 
 from parallax import cost, hlo
 from parallax import mesh as mesh_lib
-from parallax.pipeline.simulate import simulate, steady_bubbles
+from parallax.pipeline.simulate import flop_costs, simulate, steady_bubbles
 from parallax.errors import ConfigError
 from parallax.steps.pipeline import rank_balance
 from parallax.plan import abstract_batch, make_plan
@@ -98,7 +98,8 @@ class MemoryReport:
     gathered: tuple = ()  # ((element type, bytes), ...) the compiled step's all-gathers produce (each counted once)
     costs: object = None  # parallax.cost.StepCosts of the compiled step: FLOPs, bytes, collectives by mesh axes
     model_flops: float = 0.0  # the model's FLOPs per device and step (`Model.flops_per_token`; MFU's numerator)
-    bubble: float | None = None  # pipelined plans: the schedule's lockstep bubble (equal stage costs)
+    kernel_flops: float = 0.0  # the attention kernel's FLOPs per device and step (custom calls: not in `costs`)
+    bubble: float | None = None  # pipelined plans: the schedule's lockstep bubble at its stages' counted FLOPs
 
     @property
     def bound(self) -> int:
@@ -184,14 +185,18 @@ def compile_step(config, devices=None):
                         key=lambda compiled: _peak(compiled.memory_analysis(), devices[0].platform))
 
 
-def memory_report(config, devices=None) -> MemoryReport:
-    """Compiles the train step of `config` for `devices` (default: all) and measures it; nothing is allocated."""
+def memory_report(config, devices=None, hlo_out: str = "") -> MemoryReport:
+    """Compiles the train step of `config` for `devices` (default: all) and measures it; nothing is allocated.
+    `hlo_out`: also write the compiled step's optimized HLO text there."""
     trainer, compiled = compile_step(config, devices)
     state = trainer.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_shardings[k])
              for k, a in abstract_batch(config).items()}
     memory = compiled.memory_analysis()
     text = compiled.as_text()
+    if hlo_out:
+        with open(hlo_out, "w") as f:
+            f.write(text)
     kernel_calls = text.count('custom_call_target="tpu_custom_call"')
     params = _bytes_on_device(trainer.abstract_params, trainer.param_shardings)
     trainable = trainer.plan.trainable or jax.tree.map(lambda _: True, trainer.abstract_params)
@@ -214,14 +219,37 @@ def memory_report(config, devices=None) -> MemoryReport:
         costs=cost.step_costs(text, dict(trainer.mesh.shape), slices=_slices(trainer), dcn=trainer.plan.dcn),
         ranks=tuple(rank_balance(trainer.plan)) if trainer.plan.schedule is not None else (),
         model_flops=_model_flops(trainer.plan, trainer.mesh.size),
-        bubble=_bubble(trainer.plan.schedule))
+        kernel_flops=_kernel_flops(trainer.plan, trainer.mesh.size) if kernel_calls or "custom_call_target=\"__cudnn"
+        in text else 0.0,
+        bubble=_bubble(trainer.plan))
 
 
-def _bubble(schedule) -> float | None:
-    """A pipeline schedule's lockstep bubble at equal stage costs (a steady schedule's: its steady state)."""
+def _kernel_flops(plan, num_devices: int) -> float:
+    """The FLOPs per device and step of attention run by a kernel (splash, cuDNN: custom calls, whose work the
+    HLO does not show), from the model's sizes: the scores and the weighted sum over the causal half of the
+    window (the kernels skip masked tiles), three passes, a fourth where remat recomputes the forward."""
+    from parallax.model import attention_flops_per_token
+
+    m, t = plan.model_config, plan.train
+    if plan.attention.impl not in ("splash", "cudnn"):
+        return 0.0
+    head_dim = int(m.get("head_dim", 0) or m.d_model // m.num_heads)
+    per_token = attention_flops_per_token(int(m.num_layers), int(m.num_heads), head_dim, t.seq_len) / 2
+    recompute = 4 / 3 if plan.remat in ("full", "offload") else 1.0
+    return per_token * recompute * t.global_batch_size * t.seq_len / num_devices
+
+
+def _bubble(plan) -> float | None:
+    """A pipelined plan's lockstep bubble (`parallax.pipeline.simulate`) at its stages' counted FLOPs
+    (`Parts.flops`, as `flop_costs` prices each action); a steady schedule's in its steady state."""
+    schedule = plan.schedule
     if schedule is None:
         return None
-    return steady_bubbles(schedule, 3, mode="lockstep")[-1] if schedule.steady else simulate(schedule).bubble
+    f = plan.parts.flops(plan.remat)
+    costs = flop_costs(schedule, plan.num_layers, f["layer"], f["embed"], f["loss"], plan.pipeline.vocab_parallel)
+    if schedule.steady:
+        return steady_bubbles(schedule, 3, costs, mode="lockstep")[-1]
+    return simulate(schedule, costs).bubble
 
 
 def _slices(trainer) -> list[int] | None:

@@ -50,6 +50,10 @@ def test_compute_memory_and_each_axis_at_the_published_figures():
     crossing.collectives[("all-reduce", ("data",))]["dcn_sent"] = 6.25e9 / 2
     crossing.windows[2]["dcn_sent"] = 6.25e9 / 2
     assert estimate(crossing, "v5p").seconds == pytest.approx(dcn.seconds)
+    # a per-collective latency (alpha) where a chip has one (fitted on CPU): each execution of a collective
+    import dataclasses
+    slow = dataclasses.replace(CHIPS["v5p"], latency=1e-3)
+    assert estimate(_costs(), slow).seconds == pytest.approx(ici.seconds + (4 + 4 + 1) * 1e-3 - 4 * 1e-3)
     # int8 matmuls at the int8 peak where one is published (v5e: 393 TOP/s against 197 TFLOP/s)
     assert estimate(_costs(), "v5e", int8=True).compute_s == pytest.approx(459 / 393)
     assert estimate(_costs(), "v5p", int8=True).compute_s == pytest.approx(1.0)  # none published: bf16's
