@@ -55,7 +55,9 @@ MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.validate.*' 'parall
 	'parallax.steps.diloco.x__fit_spec__*' 'parallax.steps.diloco.x*DilocoPath*mean_pseudo_grad__*' \
 	'parallax.steps.diloco.x*DilocoPath*sync__*' 'parallax.steps.diloco.x*DilocoPath*_part__*' \
 	'parallax.steps.diloco.x*DilocoPath*_merge__*' 'parallax.steps.diloco.x*DilocoPath*_due__*' \
-	'parallax.steps.diloco.x*DilocoPath*step_kind__*' 'parallax.chat.*' 'parallax.goodput.*' 'parallax.hang.*'
+	'parallax.steps.diloco.x*DilocoPath*step_kind__*' 'parallax.chat.*' 'parallax.goodput.*' 'parallax.hang.*' \
+	'parallax.estimate.*' 'parallax.search.x_candidates__*' 'parallax.search.x_analytic__*' \
+	'parallax.mesh.x_resolve_dcn__*' 'parallax.mesh.x_device_slices__*'
 MUTATION_JOBS ?= 2
 
 mutation: $(STAMP)

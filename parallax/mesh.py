@@ -10,10 +10,11 @@ is d groups of s / d devices, each group inside one slice (its index along the a
 slice's position times s / d, plus the position inside the slice), so only collectives over the axes with a
 DCN size above 1 cross slices. Only replica, data, fsdp and pipe may span slices: tensor, sequence and
 expert collectives run in every layer, at every microbatch, and belong on the fast interconnect (the
-anchors' rule, MaxText's `dcn_*_parallelism`). A device's slice is its `slice_index` (TPU slices, and the
-TPU compiler's multi-slice topologies), else its process (a multi-process run: one node per process, as
-`mesh_utils.create_hybrid_device_mesh(process_is_granule=True)`), else, for one process's simulated CPU
-devices, consecutive groups of the devices (a stand-in for slices that the tests count collectives over).
+anchors' rule, MaxText's `dcn_*_parallelism`). A TPU's slice is its `slice_index` (TPU slices, and the
+TPU compiler's multi-slice topologies); another device's is its process (a multi-process run: one node per
+process, as `mesh_utils.create_hybrid_device_mesh(process_is_granule=True)`), else, for one process's
+simulated CPU devices, consecutive groups of the devices (a stand-in for slices that the tests count
+collectives over).
 Inside a slice the devices are laid out by `mesh_utils.create_device_mesh` (the torus-aware order on TPU),
 what `create_hybrid_device_mesh` does, written out here so that simulated slices get the same layout.
 """
@@ -194,9 +195,9 @@ def resolve_dcn(dcn_config, sizes: dict[str, int]) -> dict[str, int]:
 
 
 def device_slices(devices, num_slices: int) -> list[int]:
-    """Each device's slice (see the module's docstring): `slice_index`, else its process, else (one process)
-    `num_slices` consecutive groups. Raises ConfigError when the devices come in another number of slices."""
-    if hasattr(devices[0], "slice_index"):
+    """Each device's slice (see the module's docstring): a TPU's `slice_index`, else its process, else (one
+    process) `num_slices` consecutive groups. Raises ConfigError when the devices come in another number of slices."""
+    if devices[0].platform == "tpu":  # (a multi-process CPU or GPU run's devices carry a slice_index of 0 too)
         found, where = [d.slice_index for d in devices], "TPU slices (slice_index)"
     elif len({d.process_index for d in devices}) > 1:
         found, where = [d.process_index for d in devices], "processes (one node each)"

@@ -15,7 +15,8 @@ Two stages, so that it runs on a laptop in minutes:
    a layer's intermediates). This ranks; it decides nothing.
 2. **Compiled**: the candidates that can win (analytic memory within `memory_slack` of the chip's HBM, by
    analytic time) are compiled in order, the real train step (`parallax.memory.memory_report`: the TPU
-   compiler for a TPU topology), until `compile_top` fit or the time budget is spent; each gets the
+   compiler for a TPU topology), until `compile_top` fit or the next compile (taken as long as the slowest so
+   far) would end past the time budget; each gets the
    compiler's peak and the estimate of its compiled schedule (`parallax.estimate`). The winner is the
    fastest compiled candidate that fits.
 
@@ -236,10 +237,12 @@ def search(config, devices_fn, num_devices: int, chip, hbm_gib: float, slices: i
     rows.sort(key=lambda r: (r.analytic_s, r.analytic_gib))
     hopeful = [r for r in rows if r.analytic_gib <= memory_slack * hbm_gib]
     devices = devices_fn()
-    fitted = 0
-    for k, row in enumerate(hopeful):
-        if fitted >= compile_top or time.monotonic() - start > budget_s:
+    fitted, spent = 0, []
+    for row in hopeful:
+        # stop when the next compile (as long as the slowest so far) would end past the budget
+        if fitted >= compile_top or time.monotonic() - start + max(spent, default=0.0) > budget_s:
             break
+        began = time.monotonic()
         if progress:
             progress(fitted, row.candidate.label())
         try:
@@ -249,7 +252,9 @@ def search(config, devices_fn, num_devices: int, chip, hbm_gib: float, slices: i
             continue
         except jax.errors.JaxRuntimeError as e:  # the compiler refused it (e.g. a buffer over its size limit)
             row.error = f"the compiler failed: {str(e).splitlines()[0]}"
+            spent.append(time.monotonic() - began)
             continue
+        spent.append(time.monotonic() - began)
         row.compiled, row.peak_gib = True, report.peak / GIB
         row.fits = report.peak <= hbm_gib * GIB
         row.sent = report.costs.by_axes("sent")

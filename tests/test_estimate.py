@@ -69,3 +69,46 @@ def test_unknown_chips_and_unpriced_dcn_axes_are_one_line():
     crossing.collectives[("all-reduce", ("data",))]["dcn_sent"] = 1.0
     with pytest.raises(ConfigError, match=r"^a mesh over several slices: no published DCN bandwidth for TPU v6e"):
         estimate(crossing, "v6e")
+
+
+def test_crossing_bytes_latency_kernels_and_memory_bound_windows_by_hand():
+    """v5p, 1 s of matmuls at peak. Two collectives cross slices in part (their crossing bytes at DCN's 6.25
+    GB/s, the rest at 200 GB/s); one sends nothing (a group of one: no latency either); a window whose
+    memory traffic (not its FLOPs) covers its collective; a latency of 1 ms per collective; kernels' FLOPs at
+    the bf16 peak; a pipeline's bubble carried through."""
+    import dataclasses
+
+    chip = dataclasses.replace(CHIPS["v5p"], latency=1e-3)
+    costs = StepCosts(flops=459e12, bytes=0.0)
+    costs.collectives = {
+        ("all-gather", ("fsdp",)): {"count": 2, "bytes": 0.0, "sent": 20e9, "dcn_sent": 6.25e9},  # 1 s over DCN
+        ("all-reduce", ("data",)): {"count": 1, "bytes": 0.0, "sent": 12.5e9, "dcn_sent": 12.5e9},  # 2 s over DCN
+        ("all-reduce", ("tensor",)): {"count": 3, "bytes": 0.0, "sent": 0.0, "dcn_sent": 0.0},
+    }
+    costs.windows = [
+        # 13.75 GB at ICI (68.75 ms) + 6.25 GB at DCN (1 s) + 1 ms, in flight over 2765 GB of HBM traffic (1 s)
+        {"op": "all-gather", "axes": ("fsdp",), "sent": 20e9, "dcn_sent": 6.25e9, "times": 1, "flops": 0.0,
+         "bytes": 2765e9},
+        {"op": "all-reduce", "axes": ("data",), "sent": 12.5e9, "dcn_sent": 12.5e9, "times": 1, "flops": 0.0,
+         "bytes": 0.0},
+        {"op": "all-reduce", "axes": ("tensor",), "sent": 0.0, "dcn_sent": 0.0, "times": 3, "flops": 0.0,
+         "bytes": 0.0},
+    ]
+    e = estimate(costs, chip, kernel_flops=459e12 / 2, bubble=0.25, model_flops=459e12)
+    assert e.collectives_s == pytest.approx({("fsdp",): 13.75 / 200 + 1 + 2e-3, ("data",): 2 + 1e-3,
+                                             ("tensor",): 0.0})
+    assert e.dcn_s == pytest.approx(3.0)
+    assert e.compute_s == pytest.approx(1.5) and e.kernel_s == pytest.approx(0.5) and e.memory_s == 0.0
+    assert e.exposed_s == pytest.approx(0.06875 + 1.001 - 1.0 + 2.001)
+    assert e.seconds == pytest.approx(1.5 + e.exposed_s) and e.mfu == pytest.approx(1 / e.seconds)
+    assert e.bubble == 0.25 and e.utilisation(0.0) == 0.0 and e.utilisation(3.0) == pytest.approx(0.5)
+    lines = e.lines()
+    assert lines[0] == (f"estimated step on TPU v5p: {e.seconds:.3g} s (MFU {100 / e.seconds:.1f}%, hardware FLOPs "
+                        f"utilisation {150 / e.seconds:.1f}%; exposed collectives {e.exposed_s:.3g} s, "
+                        f"{100 * e.exposed_s / e.seconds:.1f}% of the step); pipeline bubble 25.0% (the lockstep "
+                        f"simulator at the stages' counted FLOPs; already in the counted ticks)")
+    assert lines[1].startswith("  compute 1.5 s at peak (500 ms of it in attention kernels, from the model's "
+                               "sizes), memory 0 ms (an upper bound), collectives 3.07 s (3 s across slices): "
+                               "data 2 s, fsdp 1.07 s, tensor 0 ms; bounds")
+    with pytest.raises(ConfigError, match=r"^--dcn_axes=data,fsdp: no published DCN bandwidth for TPU v6e"):
+        estimate(costs, "v6e", dcn_axes=("data", "fsdp"))

@@ -183,9 +183,11 @@ ARGS = ["--config=configs/tiny.py", "--cpu_devices=4", "--config.mesh.data=1", "
         "--config.optim.decay_steps=100", "--config.dist.heartbeat_timeout_s=5"]
 
 
-# The mesh beside ARGS' (fsdp 8). DiLoCo over two processes (one replica each) is
-# tests/test_multiprocess.py's: the stop on a lost peer and the resume do not depend on the mesh.
-LAYOUTS = {"fsdp8": dict(mesh=dict(fsdp=8), diloco={})}
+# The mesh beside ARGS' (fsdp 8), each process a slice (config.dcn.fsdp=2: a multi-process run's slices are
+# its processes; the layout puts each process's 4 devices on one half of the fsdp axis). DiLoCo over two
+# processes (one replica each) is tests/test_multiprocess.py's: the stop on a lost peer and the resume do not
+# depend on the mesh.
+LAYOUTS = {"fsdp8": dict(mesh=dict(fsdp=8), dcn=dict(fsdp=2), diloco={})}
 
 
 @pytest.mark.slow
@@ -195,6 +197,7 @@ def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(layo
     workdir = str(tmp_path / "two")
     script = [os.path.join(ROOT, "launch/local_cluster.sh"), "2", *ARGS, f"--workdir={workdir}",
               *[f"--config.mesh.{k}={v}" for k, v in mesh.items()],
+              *[f"--config.dcn.{k}={v}" for k, v in LAYOUTS[layout]["dcn"].items()],
               *[f"--config.diloco.{k}={v}" for k, v in diloco.items()]]
     env = {**os.environ, "PYTHON": sys.executable}  # --cpu_devices replaces XLA_FLAGS' device count
     cluster = subprocess.Popen(script + ["--config.train.steps=1000"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -232,6 +235,7 @@ def test_local_cluster_matches_one_process_survives_a_lost_peer_and_resumes(layo
                            text=True, timeout=400)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resumed from {os.path.join(workdir, 'checkpoints')} at step {saved}" in rerun.stdout
+    assert "mesh fsdp=8 (2 slices) (8 cpu devices)" in rerun.stdout, rerun.stdout[-2000:]
     got = _records(workdir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
 

@@ -82,12 +82,25 @@ def test_impossible_splits_are_one_line_errors():
         with pytest.raises(ConfigError, match=message):
             mesh_lib.resolve_dcn(dcn, sizes)
 
-    class Chip:  # a TPU device of a slice
+    class Chip:  # a TPU device of a slice (every chip of a multi-host slice: processes are not slices there)
         def __init__(self, i, s):
-            self.id, self.slice_index, self.process_index = i, s, 0
+            self.id, self.slice_index, self.process_index, self.platform = i, s, i % 4, "tpu"
     with pytest.raises(ConfigError, match=r"^config\.dcn \(4 slices\) but the 8 devices are in 2 TPU slices "
                                           r"\(slice_index\); make the product of config\.dcn's sizes 2$"):
         mesh_lib.device_slices([Chip(i, i // 4) for i in range(8)], 4)
+    assert mesh_lib.device_slices([Chip(i, 1 - i // 4) for i in range(8)], 2) == [1] * 4 + [0] * 4
+
+    class Host:  # a CPU / GPU device of a multi-process run (whose slice_index is 0): its process is its slice
+        def __init__(self, i, p):
+            self.id, self.process_index, self.slice_index, self.platform = i, p, 0, "cpu"
+    assert mesh_lib.device_slices([Host(i, i % 2) for i in range(8)], 2) == [0, 1] * 4
+    three = [Host(i, i % 3) for i in range(6)]
+    assert mesh_lib.device_slices(three, 3) == [0, 1, 2] * 2
+    with pytest.raises(ConfigError, match=r"^config\.dcn \(2 slices\) but the 6 devices are in 3 processes \(one "
+                                          r"node each\); make the product of config\.dcn's sizes 3$"):
+        mesh_lib.device_slices(three, 2)
+    with pytest.raises(ConfigError, match=r"^config\.dcn: 3 slices do not divide the 8 devices$"):
+        mesh_lib.device_slices([Host(i, 0) for i in range(8)], 3)
 
 
 def test_a_two_slice_plan_compiles_on_the_tpu_compiler_and_crosses_slices_over_its_dcn_axis_only():
