@@ -196,6 +196,33 @@ def test_a_llama_train_step_counts_six_flops_per_parameter_and_token_plus_attent
         assert cost.step_costs(compiled).flops == _by_hand(config, 1)
 
 
+def test_a_moe_train_step_counts_every_expert_over_every_choice_as_xla_cpu_runs_it():
+    """configs/moe_tiny.py (8 experts, top 2, dropless), one device, whole-score attention, no remat. XLA:CPU
+    runs `ragged_dot` as one dense matmul per expert over all the token choices (masked), so its program does
+    num_experts / top_k times the active experts' FLOPs: by hand, 6 x tokens x (attention projections + router
+    + head) + 6 x token choices x every expert's 3 matrices, + attention's scores, + the chunked loss's
+    recomputed head; the count is one router-sized matmul above that (2 x tokens x d x experts; not traced),
+    0.08% here. On TPU the experts run in a kernel (megablox, or ragged_dot
+    lowered to Mosaic): custom calls, outside the count."""
+    from helpers import tiny_config
+    from parallax.memory import compile_step
+
+    config = tiny_config("moe")
+    config.model.update(attention_block=0, remat="none")
+    config.model.moe.update(dispatch="ragged", capacity_factor=0.0)
+    _, compiled = compile_step(config, jax.devices()[:1])
+    m, t = config.model, config.train
+    tokens, hd = t.global_batch_size * t.seq_len, m.d_model // m.num_heads
+    projections = m.d_model * (2 * m.d_model + 2 * m.num_kv_heads * hd)
+    router = m.d_model * m.moe.num_experts
+    every_expert = m.moe.num_experts * 3 * m.d_model * m.moe.d_ff_expert
+    flops = (6 * tokens * (m.num_layers * (projections + router) + m.d_model * m.vocab_size)
+             + 6 * tokens * m.moe.top_k * m.num_layers * every_expert
+             + m.num_layers * 6 * 2 * t.global_batch_size * m.num_heads * t.seq_len ** 2 * hd  # scores, values
+             + 2 * tokens * m.d_model * m.vocab_size)  # the chunked loss recomputes the head's forward
+    assert cost.step_costs(compiled).flops == flops + 2 * tokens * router
+
+
 def test_the_tpu_compilers_program_counts_the_same_flops_and_its_loops():
     """The same count on XLA:TPU's program (libtpu, compile-only, v5p:2x2x1, fsdp 4, 5 layers): it annotates
     no trip counts (read off each loop's condition here) and writes the matmuls as convolutions whose
