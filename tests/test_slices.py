@@ -125,3 +125,26 @@ def test_a_two_slice_plan_compiles_on_the_tpu_compiler_and_crosses_slices_over_i
         kinds[axis] = set(re.findall(r'_xla_megascale_transfer_type="([A-Z_]+)"', text))
     assert kinds["data"] == {"ALL_REDUCE"}
     assert "ALL_GATHER" in kinds["fsdp"], kinds  # the weights' gathers cross (the compiler's own kinds)
+
+
+def test_a_mesh_over_slices_matches_one_device_and_trains_in_bf16_evaluates_and_resumes(tmp_path):
+    """fsdp=2 x tensor=2 x data=2 with fsdp over two simulated slices: the layout is a device permutation, so
+    the loss, every gradient leaf and 5 steps' losses equal one device's (fp32, 1e-5); then in bf16 it trains,
+    evaluates, checkpoints and resumes on the same layout."""
+    from helpers import assert_parity, loss_grads_and_steps
+    from parallax.train import train_and_evaluate
+
+    config = tiny_config(data=2, fsdp=2, tensor=2)
+    config.dcn.fsdp = 2
+    reference = tiny_config()
+    assert_parity(loss_grads_and_steps(config, jax.devices()[:8]), loss_grads_and_steps(reference, jax.devices()[:1]))
+    config.model.dtype = "bfloat16"
+    config.train.update(steps=2, log_every=1, eval_every=2, checkpoint_every=1)
+    config.optim.decay_steps = 100
+    first = train_and_evaluate(config, str(tmp_path), log=lambda *_: None)
+    assert np.isfinite(first.history[-1]["loss"]) and "eval_loss" in first.history[-1]
+    config.train.steps = 3
+    said = []
+    again = train_and_evaluate(config, str(tmp_path), log=said.append)
+    assert any("at step 2" in line and "resumed from" in line for line in said), said
+    assert [r["step"] for r in again.history] == [3]
