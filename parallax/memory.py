@@ -263,8 +263,7 @@ def _model_flops(plan, num_devices: int) -> float:
     """The model's training FLOPs per device and step: `Model.flops_per_token` x the step's tokens / devices
     (DiLoCo's replicas each train their share of the batch)."""
     t = plan.train
-    per_token = plan.model_class.flops_per_token(plan.model_config, t.seq_len, plan.abstract_params, plan.logical)
-    return float(per_token) * t.global_batch_size * t.seq_len / num_devices
+    return plan.flops_per_token * t.global_batch_size * t.seq_len / num_devices
 
 
 def _latest_step(workdir: str):

@@ -78,6 +78,13 @@ class Plan:
     def num_params(self) -> int:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params))
 
+    @property
+    def flops_per_token(self) -> float:
+        """The model's training FLOPs per token (forward and backward, no recompute): `Model.flops_per_token`
+        at the run's sequence length. Throughput's MFU, the memory report and the search read it here."""
+        return float(self.model_class.flops_per_token(self.model_config, self.train.seq_len,
+                                                      self.abstract_params, self.logical))
+
     def abstract_batch(self) -> dict:
         """ShapeDtypeStructs of one global batch (with DPO, its preference keys too)."""
         t = self.train

@@ -101,19 +101,16 @@ class ModelSizes:
 
     @classmethod
     def of(cls, config) -> "ModelSizes":
+        from parallax import mesh as mesh_lib
         from parallax.plan import make_plan
 
         single = copy.deepcopy(config)
-        for axis in single.mesh:
-            single.mesh[axis] = 1
-        for axis in single.dcn:
-            single.dcn[axis] = 1
+        mesh_lib.set_sizes(single)
         single.train.microbatches = 1
         plan = make_plan(single, 1, "tpu")
         m, t = config.model, plan.train
         blocks = sum(math.prod(x.shape) for x in _leaves(plan.abstract_params.get("blocks", {})))
-        per_token = plan.model_class.flops_per_token(plan.model_config, t.seq_len, plan.abstract_params, plan.logical)
-        return cls(params=plan.num_params, layer_params=blocks / int(m.num_layers), flops_per_token=per_token,
+        return cls(params=plan.num_params, layer_params=blocks / int(m.num_layers), flops_per_token=plan.flops_per_token,
                    layers=int(m.num_layers), d_model=int(m.d_model), d_ff=int(m.get("d_ff", 4 * m.d_model)),
                    heads=int(m.num_heads), kv_heads=int(m.get("num_kv_heads", m.num_heads)), seq_len=t.seq_len,
                    batch=t.global_batch_size)

@@ -65,7 +65,6 @@ class Throughput:
 def throughput(plan, mesh) -> Throughput:
     """The `Throughput` of a plan's model on `mesh` (devices of one kind)."""
     t = plan.train
-    flops = plan.model_class.flops_per_token(plan.model_config, t.seq_len, plan.abstract_params, plan.logical)
     kind = mesh.devices.flat[0].device_kind if hasattr(mesh, "devices") else jax.devices()[0].device_kind
     return Throughput(tokens_per_step=t.global_batch_size * t.seq_len, num_devices=int(mesh.size),
-                      flops_per_token=float(flops), device_kind=kind, peak=peak_flops(kind))
+                      flops_per_token=plan.flops_per_token, device_kind=kind, peak=peak_flops(kind))
