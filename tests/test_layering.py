@@ -138,3 +138,24 @@ def test_the_import_walk_sees_every_form_of_import(tmp_path):
     assert imported_modules("parallax/pipeline/executor.py", modules, tmp_path) == {
         "parallax/mesh.py", "parallax/plan.py", "parallax/pipeline/schedule.py", "parallax/pipeline/program.py",
         "parallax/train.py", "parallax/data.py"}
+
+
+def test_importing_the_mutation_tests_starts_no_jax_runtime():
+    """`make mutation` forks one process per mutant from a server that collected the selected tests; a test
+    file that starts JAX's runtime at import (`jax.devices()` at module level) leaves its threads in that
+    server, and the forked mutants deadlock (seen: every worker asleep after the first mutant)."""
+    import subprocess
+    import sys
+    import tomllib
+
+    selection = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    files = sorted({t.split("::")[0] for t in selection["pytest_add_cli_args_test_selection"]})
+    modules = [pathlib.Path(f).stem for f in files]
+    assert modules, "pyproject.toml's [tool.mutmut] selects no test file"
+    code = ("import sys, importlib; sys.path[:0] = ['tests', '.']; import conftest\n"
+            "from jax._src import xla_bridge\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    assert not xla_bridge._backends, f'importing tests/{name}.py starts JAX (a device query at module level?)'\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr.strip().splitlines()[-1]

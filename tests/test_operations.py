@@ -272,7 +272,10 @@ def test_a_step_that_hangs_dumps_every_threads_stack_and_exits_with_the_hang_sta
 SPIKE_STEPS = (14, 15)  # the planted batches; checkpoints every 4 steps: the rewind goes back to step 12
 SKIPPED = 3  # steps 13-15's batches
 RARE = 58  # the rarest target of the tiny config's first batches (115 of 10240)
-ONE = jax.devices()[:1]  # the policy is the loop's and the update's, the same on any mesh
+def _one():
+    """One device: the policy is the loop's and the update's, the same on any mesh. A function, not a module
+    constant: importing this file must not start JAX's runtime (make mutation forks after collecting it)."""
+    return jax.devices()[:1]
 
 
 def _spike_config(steps, policy="skip"):
@@ -320,7 +323,7 @@ def spike_reference(tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
         _planted(monkeypatch, shift=SKIPPED)
         result = train_and_evaluate(_spike_config(24 - SKIPPED, "off"), str(tmp_path_factory.mktemp("ref")),
-                                    devices=ONE, log=lambda *_: None)
+                                    devices=_one(), log=lambda *_: None)
     assert "spike" not in result.state  # off: the state as before the policy existed
     return [r["loss"] for r in result.history]
 
@@ -337,12 +340,12 @@ def test_planted_spikes_are_skipped_then_rewound_past_and_the_run_equals_one_tha
     _planted(monkeypatch, {14: "garbage", 15: "nan"})
     workdir = str(tmp_path / "run")
     lines = []
-    first = train_and_evaluate(_spike_config(15), workdir, devices=ONE, log=lines.append)
+    first = train_and_evaluate(_spike_config(15), workdir, devices=_one(), log=lines.append)
     assert [line for line in lines if "rewound" in line] == [
         "step 15: 2 spikes in a row: rewound the parameters and optimizer state to the checkpoint of step 12; the "
         "batches of steps 13-15 are skipped"]
     assert int(first.state["step"]) == 15
-    train_and_evaluate(_spike_config(24), workdir, devices=ONE, log=lambda *_: None)
+    train_and_evaluate(_spike_config(24), workdir, devices=_one(), log=lambda *_: None)
     records = {r["step"]: r for r in read_metrics(workdir)}
     assert sorted(records) == list(range(1, 25))
     assert sorted(s for s, r in records.items() if r.get("spike_skipped")) == list(SPIKE_STEPS)
@@ -402,7 +405,7 @@ def test_a_rewind_requested_by_file_goes_back_to_the_checkpoint_and_skips_the_ba
             (workdir / "REWIND").write_text("12\n")  # a checkpoint's own step: at or before it is itself
         if "step 18/" in line:
             (workdir / "REWIND").write_text("soon")
-    train_and_evaluate(_spike_config(24, "off"), str(workdir), devices=ONE, log=log)
+    train_and_evaluate(_spike_config(24, "off"), str(workdir), devices=_one(), log=log)
     assert [line for line in lines if "rewound" in line] == [
         f"step 15: a rewind requested in {workdir}/REWIND: rewound the parameters and optimizer state to the "
         "checkpoint of step 12; the batches of steps 13-15 are skipped"]
