@@ -144,6 +144,28 @@ def test_sampling_draws_from_the_tempered_top_k_top_p_distribution(temperature, 
         assert (want == 0).any()
 
 
+def test_sampling_by_default_keeps_every_token():
+    """`sample_logits` with its defaults (top_k 0, top_p 1) cuts nothing: near-equal logits give every token."""
+    from parallax.generate import sample_logits
+
+    keys = jax.random.split(jax.random.key(1), 200)
+    tokens = jax.vmap(lambda k: sample_logits(np.array([[0.0, -0.1, -0.2, -0.3]], np.float32), k, 1.0))(keys)
+    assert set(np.asarray(tokens).ravel().tolist()) == {0, 1, 2, 3}
+
+
+def test_top_p_reached_exactly_by_the_tokens_above_cuts_the_next_one():
+    """Probabilities 1/2, 1/4, 1/4 (exact in fp32) at top_p 0.5: the top token alone holds 0.5, so the
+    smallest set holding top_p is that token; the second (exactly 0.5 above it) is cut."""
+    from parallax.generate import sample_logits
+
+    logits = np.log(np.array([[0.5, 0.25, 0.25]], np.float32))
+    keys = jax.random.split(jax.random.key(2), 200)
+    tokens = jax.vmap(lambda k: sample_logits(logits, k, 1.0, 0, 0.5))(keys)
+    assert set(np.asarray(tokens).ravel().tolist()) == {0}
+    tokens = jax.vmap(lambda k: sample_logits(logits, k, 1.0, 0, 0.75))(keys)
+    assert set(np.asarray(tokens).ravel().tolist()) == {0, 1}
+
+
 def test_bad_inputs_are_one_line_errors(llama):
     trainer, params = llama
     seq = trainer.config.train.seq_len
@@ -155,6 +177,35 @@ def test_bad_inputs_are_one_line_errors(llama):
                                    ([[1]], dict(temperature=-1), "temperature=-1")):
         with pytest.raises(ConfigError, match=match):
             _generate(trainer, params, prompts, **kwargs)
+
+
+def test_prompts_pad_to_the_rows_with_copies_of_the_first_and_any_id_in_the_vocabulary_is_kept():
+    """`_pad_prompts` by hand: right-padded int32 rows, the extra rows copies of prompt 0, ids 0 and
+    vocab_size - 1 kept; no prompts at all is one line."""
+    from parallax.generate import _pad_prompts
+
+    out, lengths = _pad_prompts([np.array([0, 9]), np.array([3])], 10, 4)
+    np.testing.assert_array_equal(out, [[0, 9], [3, 0], [0, 9], [0, 9]])
+    np.testing.assert_array_equal(lengths, [2, 1, 2, 2])
+    assert out.dtype == lengths.dtype == np.int32
+    with pytest.raises(ConfigError, match="^generate: no prompts$"):
+        _pad_prompts([], 10, 1)
+
+
+def test_the_batch_splits_over_the_mesh_axes_its_rule_names():
+    """`_batch_shards`: the product of the mesh sizes of the axes the `batch` rule names (a name or a
+    tuple; axes this mesh lacks count 1), 1 outside a sharding context or without a batch rule."""
+    import types
+
+    from parallax.generate import _batch_shards
+
+    assert _batch_shards() == 1
+    mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 3, "tensor": 5})
+    for rule, want in ((("data", "fsdp"), 6), ("fsdp", 3), (("data", "pipe"), 2), (None, 1)):
+        with activation_sharding(mesh, {"batch": rule, "embed": "tensor"}):
+            assert _batch_shards() == want, rule
+    with activation_sharding(mesh, {"embed": "tensor"}):
+        assert _batch_shards() == 1
 
 
 def test_past_the_window_the_cache_decodes_in_rounds(llama):
