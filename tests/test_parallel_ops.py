@@ -187,6 +187,16 @@ def test_ring_layout_gives_rank_i_chunks_i_and_mirror_and_unlayout_inverts_it():
     for i in range(s):
         assert (shards[i, 0] // chunk == i).all() and (shards[i, 1] // chunk == 2 * s - 1 - i).all()
     np.testing.assert_array_equal(sequence.ring_unlayout(laid, s, axis=1), x)
+    # the sequence on another axis ([heads, B, T]: axis 2) and the default axis (1) of a [B, T, D] array
+    y = jnp.arange(2 * 2 * s * chunk).reshape(2, 1, 2 * s * chunk)
+    laid_y = sequence.ring_layout(y, s, axis=2)
+    np.testing.assert_array_equal(laid_y[1, 0], np.asarray(laid)[0] + 2 * s * chunk)
+    np.testing.assert_array_equal(sequence.ring_unlayout(laid_y, s, axis=2), y)
+    z = jnp.moveaxis(y, 2, 1)  # (2, T, 1)
+    np.testing.assert_array_equal(sequence.ring_layout(z, s), jnp.moveaxis(laid_y, 2, 1))
+    np.testing.assert_array_equal(sequence.ring_unlayout(sequence.ring_layout(z, s), s), z)
+    order = [2, 0, 3, 1]
+    np.testing.assert_array_equal(sequence.pieces_unlayout(sequence.pieces_layout(z, order), order), z)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -437,14 +447,19 @@ def test_count_collectives_counts_async_pairs_once():
 
 
 @pytest.mark.parametrize("call,fix", [
-    (lambda: sequence.check_sequence_parallel("ring", 4, 8, 2, 20), "multiple of 8"),
+    (lambda: sequence.check_sequence_parallel("ring", 4, 8, 2, 20),
+     "ring: seq_len=20 is not divisible by 2*seq=8 (zigzag layout): use a seq_len that is a multiple of 8"),
     (lambda: sequence.check_sequence_parallel("ulysses", 4, 6, 2, 16), "attention='usp' or 'allgather'"),
     (lambda: sequence.check_sequence_parallel("ulysses", 4, 12, 3, 16), "attention='usp' or 'allgather'"),
     (lambda: sequence.check_sequence_parallel("usp", 4, 8, 2, 16, 3), "use a divisor of 4"),
     (lambda: sequence.check_sequence_parallel("usp", 8, 8, 2, 40, 2), "multiple of 16"),
     (lambda: sequence.check_sequence_parallel("allgather", 4, 8, 2, 20), "multiple of 8"),
     (lambda: sequence.check_sequence_parallel("ulysses", 4, 8, 2, 18), "multiple of 4"),
-    (lambda: sequence.check_sequence_parallel("dense", 2, 8, 2, 16), "set attention"),
+    (lambda: sequence.check_sequence_parallel("dense", 2, 8, 2, 16),
+     "attention='dense' with seq axis size 2: set attention to 'ulysses', 'allgather' or 'ring', or set the seq "
+     "axis size to 1"),
+    (lambda: sequence.check_sequence_parallel("ring", 2, 6, 4, 16),
+     "num_heads=6 is not a multiple of num_kv_heads=4: choose num_kv_heads dividing num_heads"),
     (lambda: sequence.check_sequence_parallel("flash", 2, 8, 2, 16), "use 'dense'"),
     (lambda: sequence.ring_layout(jnp.zeros((1, 12)), 4), "length 12 is not divisible by 2*seq=8: use a seq_len "
                                                           "that is a multiple of 8"),
@@ -463,4 +478,5 @@ def test_valid_configurations_pass_the_checks():
     sequence.check_sequence_parallel("ring", 4, 8, 2, 16)
     sequence.check_sequence_parallel("allgather", 4, 4, 1, 16)  # no head constraint
     sequence.check_sequence_parallel("ulysses", 4, 8, 2, 16)  # K < s: kv heads are repeated
+    sequence.check_sequence_parallel("ulysses", 2, 8, 4, 16)  # K > s: each rank holds K / s kv heads
     sequence.check_sequence_parallel("dense", 1, 8, 2, 16)
