@@ -1,6 +1,7 @@
 """Real text in: tokenizers (`parallax/tokenizer.py`), corpus preparation (`parallax/prepare.py`), shard
 directories (`parallax/corpus.py`) and mixtures (`parallax/data.py`), up to a run that trains on them."""
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -243,6 +244,17 @@ def test_the_epoch_sampler_deals_exact_shares_and_reads_each_sources_windows_onc
     drift = max(abs(sources[:g + 1].count(n) - (g + 1) * w) for g in range(len(sources)) for n, w in share.items())
     assert drift > 1, drift  # the random sampler is not the epoch sampler
     assert abs(sources.count("web") / len(sources) - 0.5) < 0.05  # but draws by the normalised weights
+    # a source without documents in a split (None): the others share the draws by their weights' ratio
+    web = mixture.names.index("web")
+    no_web = dataclasses.replace(mixture, streams=tuple(None if k == web else s for k, s in enumerate(mixture.streams)))
+    picked = [mixture.names[drawn._mixture_row(no_web, step, "train", r)[0]] for step in range(60) for r in range(16)]
+    assert "web" not in picked and abs(picked.count("code") / len(picked) - 0.5) < 0.05, picked.count("code")
+    # two sources of the same stream read its windows in orders of their own (the source is in the draw)
+    twins = dataclasses.replace(mixture, names=("a", "b"), weights=(0.5, 0.5), streams=(mixture.streams[web],) * 2)
+    n_windows = data_lib._num_windows(len(mixture.streams[web]), 32)
+    dealt = [ds._mixture_row(twins, step, "train", r) for step in range(2 * n_windows // 16 + 1) for r in range(16)]
+    orders = [[start for k, start in dealt if k == j][:n_windows] for j in (0, 1)]
+    assert sorted(orders[0]) == sorted(orders[1]) and orders[0] != orders[1]
     only_one = data_lib.make_dataset("tokens", str(tmp_path / "mix"), sampler="epoch",
                                      **{**kw, "seq_len": 8, "mixture": "one=1"})  # one document: no eval tail
     with pytest.raises(data_lib.DataError, match=r"^no source of this mixture has documents in the 'eval' split; "
@@ -278,6 +290,30 @@ def test_bad_corpora_and_mixtures_are_one_line_errors_before_anything_is_written
         data_lib.make_dataset("tokens", good, tokenizer_hash=tok_lib.ByteTokenizer(256).hash, **kw)
     with pytest.raises(data_lib.DataError, match="holds id .*, outside vocab_size=300"):
         data_lib.make_dataset("tokens", good, **{**kw, "vocab_size": 300})
+    # the messages whole: another tokenizer (each hash's first 12 digits), another eos, two directories whose
+    # tokenizers differ (a copy whose manifest names another hash)
+    with open(os.path.join(good, shard_lib.MANIFEST)) as f:
+        written = json.load(f)
+    ours, theirs = written["tokenizer"]["hash"], tok_lib.ByteTokenizer(256).hash
+    with pytest.raises(data_lib.DataError) as e:
+        data_lib.make_dataset("tokens", good, tokenizer_hash=theirs, **kw)
+    assert str(e.value) == (f"shard directory {good!r} was tokenized by another tokenizer ({written['tokenizer']['kind']}, "
+                            f"hash {ours[:12]}) than this run's (hash {theirs[:12]}); prepare it again with this "
+                            f"tokenizer, or train with tokenizer={good}/tokenizer")
+    eos = written["tokenizer"]["eos_id"]
+    with pytest.raises(data_lib.DataError) as e:
+        data_lib.make_dataset("tokens", good, eos_id=eos + 1, **kw)
+    assert str(e.value) == (f"eos_id={eos + 1}, but shard directory {good!r} ends documents with {eos}; drop eos_id "
+                            "(it comes from the tokenizer)")
+    other = str(tmp_path / "other")
+    shutil.copytree(good, other)
+    with open(os.path.join(other, shard_lib.MANIFEST), "w") as f:
+        json.dump({**written, "tokenizer": {**written["tokenizer"], "hash": theirs}}, f)
+    data_lib.make_dataset("tokens", f"{good},{good}", **kw)  # one tokenizer twice: fine
+    with pytest.raises(data_lib.DataError) as e:
+        data_lib.make_dataset("tokens", f"{good},{other}", **kw)
+    assert str(e.value) == (f"the shard directories {sorted([good, other])} were tokenized by different tokenizers; "
+                            "prepare them with one tokenizer")
     manifest = shard_lib.read_manifest(good)
     first = os.path.join(good, shard_lib.token_file(manifest["shards"][0]["name"], "uint16"))
     # Bytes changed in place (the size the manifest says): the directory opens (a stat per shard), and the
