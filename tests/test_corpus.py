@@ -225,6 +225,10 @@ def test_the_epoch_sampler_deals_exact_shares_and_reads_each_sources_windows_onc
     kw = dict(seq_len=32, global_batch_size=16, seed=3, vocab_size=300, mixture="web=2,code=1,math=1")
     ds = data_lib.make_dataset("tokens", str(tmp_path / "mix"), sampler="epoch", **kw)
     mixture, share = ds.streams["train"], {"web": 0.5, "code": 0.25, "math": 0.25}
+    assert dict(zip(mixture.names, mixture.weights)) == share  # normalised as written
+    zero = data_lib.make_dataset("tokens", str(tmp_path / "mix"), sampler="epoch", **{**kw, "mixture": "web=2,code=1,math=0"})
+    assert zero.streams["train"].names == ("web", "code") and zero.streams["train"].weights == (2 / 3, 1 / 3)
+    assert "math" not in zero.mixture_sources  # a source of weight 0 is not drawn, nor evaluated
     rows = [ds._mixture_row(mixture, step, "train", r) for step in range(60) for r in range(16)]
     counts = dict.fromkeys(share, 0)
     for g, (k, _) in enumerate(rows):
@@ -619,6 +623,14 @@ def test_mixture_weights_parse_as_written_and_an_id_equal_to_the_vocabulary_size
     for bad in ("=0.5", "web=-1", "web=0.5,web=0.5", "web"):
         with pytest.raises(data_lib.DataError, match=r"^mixture=.*: cannot read .*; write NAME=WEIGHT pairs"):
             data_lib.parse_mixture(bad)
+    with pytest.raises(data_lib.DataError) as e:  # the value is what follows the first '='
+        data_lib.parse_mixture("web=1=2")
+    assert str(e.value) == ("mixture='web=1=2': cannot read 'web=1=2'; write NAME=WEIGHT pairs with distinct names "
+                            "and weights >= 0, e.g. mixture='web=0.7,code=0.3'")
+    with pytest.raises(data_lib.DataError) as e:
+        data_lib.parse_mixture("web=0,code=0")
+    assert str(e.value) == ("mixture='web=0,code=0': the weights sum to 0; give at least one source a positive "
+                            "weight")
     tok = tok_lib.ByteTokenizer(256)
     for highest, ok in ((299, True), (300, False)):
         out = tmp_path / f"h{highest}"

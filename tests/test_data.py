@@ -372,3 +372,27 @@ def test_random_sampler_draws_every_window_start_from_the_first_to_the_last(tmp_
                            vocab_size=seq_len + 4, eos_id=0, eval_fraction=0.0)
     starts = np.concatenate([ds.batch(step)["inputs"][:, 0] - 1 for step in range(4)])
     assert set(starts.tolist()) == {0, 1, 2}
+
+
+def test_a_packed_rows_weights_are_its_masks_within_each_document():
+    """`_pack_row` by hand: two documents (starts 0, 3) and a mask of ones: the prediction across the boundary
+    (token 2 -> token 3) and the padding weigh 0; a mask zero drops its target."""
+    tokens, starts = np.array([7, 8, 9, 4, 5]), np.array([0, 3])
+    row = data._pack_row(tokens, starts, 6, mask=np.ones(5, bool))
+    np.testing.assert_array_equal(row["weights"], [1, 1, 0, 1, 0, 0])
+    np.testing.assert_array_equal(row["inputs"], [7, 8, 9, 4, 5, 0])
+    np.testing.assert_array_equal(row["segment_ids"], [1, 1, 1, 2, 2, 0])
+    np.testing.assert_array_equal(row["positions"], [0, 1, 2, 0, 1, 0])
+    masked = data._pack_row(tokens, starts, 6, mask=np.array([1, 0, 1, 1, 1], bool))
+    np.testing.assert_array_equal(masked["weights"], [0, 1, 0, 1, 0, 0])
+
+
+def test_byte_level_text_needs_256_ids():
+    import ml_collections
+
+    from parallax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config.model.vocab_size=255: byte-level text needs vocab_size >= 256$"):
+        data.check_source(ml_collections.ConfigDict({"source": "text"}), 255)
+    data.check_source(ml_collections.ConfigDict({"source": "text"}), 256)
+    data.check_source(ml_collections.ConfigDict({"source": "tokens"}), 255)  # a tokenizer's ids: no such bound
