@@ -51,7 +51,7 @@ MUTANTS ?= 'parallax.pipeline.schedule.*' 'parallax.pipeline.validate.*' 'parall
 	'parallax.parallel.sequence.x_balanced_chunks__*' 'parallax.parallel.sequence.x_attention_work__*' \
 	'parallax.prepare.*' 'parallax.data.x_parse_mixture__*' 'parallax.data.x__mixture_slot__*' \
 	'parallax.data.x*Dataset*_mixture_row__*' 'parallax.data.x__shard_streams__*' 'parallax.data.x__tail_cut__*' \
-	'parallax.data.x*Mixture*' 'parallax.data.x_check_source__*' 'parallax.harness.*' \
+	'parallax.data.x*Mixture*' 'parallax.data.x_check_source__*' 'parallax.data.x__pack_row__*' 'parallax.harness.*' \
 	'parallax.steps.diloco.x__fit_spec__*' 'parallax.steps.diloco.x*DilocoPath*mean_pseudo_grad__*' \
 	'parallax.steps.diloco.x*DilocoPath*sync__*' 'parallax.steps.diloco.x*DilocoPath*_part__*' \
 	'parallax.steps.diloco.x*DilocoPath*_merge__*' 'parallax.steps.diloco.x*DilocoPath*_due__*' \

@@ -53,6 +53,7 @@ NAMED = {
 TURN_END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}  # what ends an assistant turn: sampling stops there
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
+_FIRST_TAG = "PARALLAX_FIRST_TURN_CONTENT"  # where the content of an opening assistant turn is rendered
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # names of a message's reasoning, the read one first
 
 
@@ -305,14 +306,29 @@ def assistant_text(template: Template, record: dict, loss_on: str = "assistant")
     text, spans = render(template, messages, tools=tools), []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            head = render(template, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
             turn = render(template, messages[:i + 1], tools=tools)
+            head = (render(template, messages[:i], add_generation_prompt=True, tools=tools) if i else
+                    _first_head(template, message, turn, tools))
             if not (turn.startswith(head) and text.startswith(turn)):
                 raise ChatError(f"{template.name} renders turn {i} differently once later turns follow, so its "
                                 "text cannot be told apart; split the row into prompt / completion rows, use a "
                                 "template with {% generation %} blocks, or pass --loss_on=all")
             spans.append((len(head), len(turn)))
     return text, spans
+
+
+def _first_head(template: Template, message: dict, turn: str, tools) -> str:
+    """What precedes the content of an assistant turn that opens the conversation: the template's rendering
+    of that message up to its content (found by rendering a marker in its place). Not the turn's to train
+    on, as transformers' generation mask says: a template's default system prompt (Qwen 2.5's), bos, the
+    assistant header; later turns start after the generation prompt, which ends at the same point. Nothing
+    where the template drops or rewrites the marker, or renders the turn otherwise."""
+    try:
+        probe = render(template, [{**message, "content": _FIRST_TAG}], tools=tools)
+    except ChatError:
+        return ""
+    at = probe.find(_FIRST_TAG)
+    return probe[:at] if at >= 0 and turn.startswith(probe[:at]) else ""
 
 
 def tokenize(tok, template: Template, record: dict, loss_on: str = "assistant") -> tuple[list, np.ndarray | None]:

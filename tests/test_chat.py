@@ -374,5 +374,135 @@ def test_rows_the_mask_cannot_be_made_for_are_refused_with_their_whole_message()
         with pytest.raises(chat.ChatError) as e:
             chat.assistant_text(template, row)
         assert str(e.value) == message, (row, str(e.value))
+    # the rows' shapes, word for word: what is not a message list, a message without a role, a prompt
+    # without its completion, a row of many keys (the first 8 named), the roles of a row without a reply
+    late_end = chat.Template("late_end", "{% for m in messages %}{{ m.content }}{% endfor %}"
+                                         "{% if messages | length == 2 %}!{% endif %}")
+    assistant = [{"role": "assistant", "content": "yo"}]
+    for template, row, message in (
+            (chatml, {"prompt": 3, "completion": "yo"}, "'prompt' is int, not a list of messages or a string"),
+            (chatml, {"prompt": "hi", "completion": [{"content": "yo"}]},
+             "completion[0] is not a message (an object with a string 'role' and a 'content')"),
+            (chatml, {"messages": ["hi"]}, "messages[0] is not a message (an object with a string 'role' and a "
+             "'content')"),
+            (chatml, {"prompt": "hi"}, "neither 'messages' nor 'prompt' and 'completion' (it has: prompt)"),
+            (chatml, dict.fromkeys("jihgfedcba", 1), "neither 'messages' nor 'prompt' and 'completion' (it has: "
+             "a, b, c, d, e, f, g, h)"),
+            (chatml, {"messages": [{"role": "system", "content": "x"}] + user}, "a conversation with no assistant "
+             "turn (roles: system, user); add the assistant's reply, or pass --loss_on=all to train on every token"),
+            (late_end, {"messages": (user + assistant) * 2}, "late_end renders turn 1 differently once later turns "
+             "follow, so its text cannot be told apart; split the row into prompt / completion rows, use a "
+             "template with {% generation %} blocks, or pass --loss_on=all")):
+        with pytest.raises(chat.ChatError) as e:
+            chat.assistant_text(template, row)
+        assert str(e.value) == message, (row, str(e.value))
+    with pytest.raises(ConfigError) as e:
+        chat.assistant_text(chatml, {"messages": user + assistant}, "prompt")
+    assert str(e.value) == "--loss_on=prompt: use one of assistant, all"
+    raises = chat.Template("raises", "{{ raise_exception('no prompts here') }}")
+    with pytest.raises(ConfigError) as e:
+        chat.prompt_ids(None, raises, "hi")
+    assert str(e.value) == "--chat_template: raises fails on it (TemplateError: no prompts here)"
     assert chat.is_chat({"prompt": "a", "completion": "b"}) and chat.is_chat({"messages": []})
     assert not chat.is_chat({"completion": "b"}) and not chat.is_chat({"prompt": "a"}) and not chat.is_chat([1])
+
+
+def test_tools_reach_the_template_on_every_path_and_reasoning_under_any_name_is_rendered(tokenizers, tmp_path):
+    """Qwen 2.5's template renders tools into its system turn: with tools in the row, loss_on=all, a
+    prompt / completion row and the {% generation %} path (its training variant) give transformers' ids and
+    mask with the same tools. A message's reasoning under any of its names renders as the name the template
+    reads (Qwen 3's reasoning_content, gpt-oss's thinking), as transformers renders that name."""
+    tools = [{"type": "function", "function": {"name": "capital", "description": "The capital of a country",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    path, fast = _with_template(tokenizers, "chatml", _template("qwen2_5"), tmp_path)
+    tok = tok_lib.load(path)
+    qwen = chat.resolve("", tok)
+    ids, mask = chat.tokenize(tok, qwen, {"messages": CONVERSATION, "tools": tools}, loss_on="all")
+    assert mask is None and ids == fast.apply_chat_template(CONVERSATION, tools=tools, return_dict=False)
+    prompt, completion = CONVERSATION[:4], CONVERSATION[4:]
+    ids, mask = chat.tokenize(tok, qwen, {"prompt": prompt, "completion": completion, "tools": tools})
+    assert ids == fast.apply_chat_template(CONVERSATION, tools=tools, return_dict=False)
+    assert fast.decode([i for i, m in zip(ids, mask) if m]) == "Paris is.<|im_end|>\n"
+    training = chat.Template("qwen2_5_training", _template("qwen2_5_training"))
+    ref = fast.apply_chat_template(CONVERSATION, tools=tools, chat_template=training.text,
+                                   return_assistant_tokens_mask=True, return_dict=True)
+    ids, mask = chat.tokenize(tok, training, {"messages": CONVERSATION, "tools": tools})
+    assert ids == ref["input_ids"] and mask.tolist() == ref["assistant_masks"] and mask.dtype == np.uint8
+    assert "capital" in fast.decode(ids)  # the tools were rendered
+    user = {"role": "user", "content": "Capital of France?"}
+    for name, theirs in (("qwen3", "reasoning_content"), ("gptoss", "thinking")):
+        template = chat.Template(name, _template(name))
+        ref = fast.apply_chat_template([user, {"role": "assistant", "content": "Paris.", theirs: "It is France's."}],
+                                       chat_template=template.text, tokenize=False)
+        assert "It is France's." in ref
+        for ours in ("reasoning_content", "thinking", "reasoning"):
+            reply = {"role": "assistant", "content": "Paris.", ours: "It is France's."}
+            assert chat.render(template, [user, reply]) == ref, (name, ours)
+
+
+@pytest.mark.parametrize("template,family", [("llama3", "llama3"), ("qwen2_5", "chatml")])
+def test_an_opening_assistant_turn_trains_on_its_reply_alone(tokenizers, tmp_path, template, family):
+    """A conversation that starts with the assistant's turn: its mask starts where the reply does, after the
+    template's bos, default system prompt (Qwen 2.5's) and assistant header, as for any later turn. Llama 3:
+    transformers' generation mask (the training variant), token for token; Qwen 2.5 by decoded text (its
+    training variant also marks the newline after the header)."""
+    opening = [{"role": "assistant", "content": "Hello, how are you?"}] + CONVERSATION[1:]
+    path, fast = _with_template(tokenizers, family, _template(template), tmp_path)
+    tok = tok_lib.load(path)
+    ids, mask = chat.tokenize(tok, chat.resolve("", tok), {"messages": opening})
+    if template == "llama3":
+        ref = fast.apply_chat_template(opening, chat_template=_template("llama3_training"),
+                                       return_assistant_tokens_mask=True, return_dict=True)
+        assert ids == ref["input_ids"] and mask.tolist() == ref["assistant_masks"]
+    else:
+        assert "You are Qwen" in fast.decode(ids)
+        assert fast.decode([i for i, m in zip(ids, mask) if m]) == ("Hello, how are you?<|im_end|>\n  I am fine, "
+                                                                    "thank you.  <|im_end|>\nParis is.<|im_end|>\n")
+
+
+def test_continue_final_leaves_the_last_message_open_as_transformers_does(tokenizers, tmp_path):
+    """`render(continue_final=True)` against transformers' continue_final_message: the last message's text
+    kept as written where the template writes it so (ChatML: a trailing space stays), and as the template
+    trims it where it trims (Llama 3); a first message open at the very start of the text; a template that
+    drops the text, or a last message without text, is one line."""
+    for family, name in (("chatml", "chatml"), ("llama3", "llama3")):
+        path, fast = tokenizers[family]
+        template = chat.resolve(name, tok_lib.load(path))
+        for final in ("Paris is ", "Paris is"):
+            messages = CONVERSATION[:4] + [{"role": "assistant", "content": final}]
+            ref = fast.apply_chat_template(messages, chat_template=template.text, continue_final_message=True,
+                                           tokenize=False)
+            assert chat.render(template, messages, continue_final=True) == ref, (name, final)
+    plain = chat.Template("plain", "{% for m in messages %}{{ m.content }}|{% endfor %}")
+    assert chat.render(plain, [{"role": "assistant", "content": "Once"}], continue_final=True) == "Once"
+    assert chat.render(plain, [{"role": "assistant", "content": ""}], continue_final=True) == ""  # open at 0
+    first_only = chat.Template("first_only", "{{ messages[0].content }}")
+    for template, messages, message in (
+            (first_only, CONVERSATION[:2], "first_only drops the final message's text, so it cannot be continued"),
+            (plain, CONVERSATION[:1] + [{"role": "assistant", "content": None}],
+             "continue_final needs a last message with a string content")):
+        with pytest.raises(chat.ChatError) as e:
+            chat.render(template, messages, continue_final=True)
+        assert str(e.value) == message
+    # a template's exception in the one-line message: its type where it has no text, its first 200 characters
+    for text, reason in (("", "TemplateError"), ("x" * 300, "x" * 200)):
+        with pytest.raises(chat.ChatError) as e:
+            chat.render(chat.Template("t", "{{ raise_exception('%s') }}" % text), CONVERSATION[:1])
+        assert str(e.value) == f"t fails on it (TemplateError: {reason})"
+    with pytest.raises(ConfigError) as e:
+        chat.resolve("chatlm", None)
+    assert str(e.value) == ("--chat_template='chatlm': neither a named template (chatml, llama3) nor a file; pass "
+                            "one of those, a .jinja file, or nothing for the tokenizer's own")
+
+
+def test_a_reply_that_renders_to_nothing_is_refused_at_tokenization(tokenizers):
+    """An empty assistant reply under a template that writes nothing around it: its span is empty, no token
+    is trained on, and the row is refused with the whole message."""
+    tok = tok_lib.load(tokenizers["chatml"][0])
+    bare = chat.Template("bare", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    row = {"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": ""}]}
+    assert chat.assistant_text(bare, row) == ("Hello", [(5, 5)])
+    with pytest.raises(chat.ChatError) as e:
+        chat.tokenize(tok, bare, row)
+    assert str(e.value) == ("no token of the assistant's text is left after tokenization; check the row's "
+                            "assistant content, or pass --loss_on=all")
