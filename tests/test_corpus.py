@@ -381,6 +381,11 @@ def test_tokenizers_of_every_kind_load_encode_decode_and_keep_their_hash_when_co
     last = f"<|reserved_special_token_{tok_lib.TIKTOKEN_SPECIALS - 3}|>"
     for name, want in (("<|begin_of_text|>", 259), ("<|end_of_text|>", 260), (last, tk.vocab_size - 1)):
         assert tk.enc.encode(name, allowed_special="all") == [want], name
+    # a rendered chat: its control tokens as their ids, each id's [start, end) in the text, by hand
+    pieces = [("<|begin_of_text|>", 259), ("alpha", 258), (" ", 32), ("al", 256), ("<|end_of_text|>", 260)]
+    ends = np.cumsum([len(p) for p, _ in pieces]).tolist()
+    assert tk.encode_chat("".join(p for p, _ in pieces)) == ([i for _, i in pieces],
+                                                             list(zip([0] + ends[:-1], ends)))
     assert tk.files[0][0] == "tokenizer.tiktoken" and tk.source == str(tmp_path / "t.tiktoken")
     shutil.copyfile(tmp_path / "t.tiktoken", tmp_path / "llama3.model")
     assert tok_lib.TiktokenTokenizer(str(tmp_path / "llama3.model")).files[0][0] == "tokenizer.model"
@@ -646,3 +651,74 @@ def test_mixture_weights_parse_as_written_and_an_id_equal_to_the_vocabulary_size
         else:
             with pytest.raises(data_lib.DataError, match=r"holds id 300, outside vocab_size=300; raise "):
                 make()
+
+
+def test_an_hf_directorys_bos_and_eos_follow_its_config_else_its_post_processor_and_vocabulary(tmp_path):
+    """bos: documents start with it where tokenizer_config.json says add_bos_token, or, where it does not
+    say, where the tokenizer's own post-processor adds it (Llama 3's way; transformers' tokenizer of the same
+    directory is the reference); eos: the config's eos_token, else the first usual end token the vocabulary
+    holds (`<|endoftext|>` before `</s>`)."""
+    import transformers
+    from tokenizers import processors
+
+    from helpers import byte_level_bpe
+
+    for name, post, config, add_bos in (("post", True, {"bos_token": "<s>"}, True),
+                                        ("plain", False, {"bos_token": "<s>"}, False),
+                                        ("said_no", True, {"bos_token": "<s>", "add_bos_token": False}, False),
+                                        ("said_yes", False, {"bos_token": "<s>", "add_bos_token": True}, True),
+                                        ("eos_named", False, {"eos_token": "</s>"}, False)):
+        rust = byte_level_bpe(["hello world, a test"] * 10, 300, ["<s>", "</s>", "<|endoftext|>"])
+        bos = rust.token_to_id("<s>")
+        if post:
+            rust.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+        directory = tmp_path / name
+        directory.mkdir()
+        rust.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        tok = tok_lib.load(str(directory))
+        assert tok.add_bos == add_bos and (tok.documents(["a"])[0][0] == bos) == add_bos, name
+        assert tok.bos_id == (bos if "bos_token" in config else None), name
+        if name in ("post", "plain"):
+            fast = transformers.AutoTokenizer.from_pretrained(str(directory))
+            assert (fast("a")["input_ids"][0] == bos) == add_bos, name
+        eos = "</s>" if name == "eos_named" else "<|endoftext|>"
+        assert tok.eos_id == rust.token_to_id(eos) and tok.documents(["a"])[0][-1] == tok.eos_id, name
+
+
+def test_tokenizer_specs_load_what_they_name_and_refuse_the_rest_word_for_word(tmp_path):
+    """`load` by hand: '' and 'bytes' are the byte tokenizer (with the eos asked for); an HF directory's
+    tokenizer_config.json may hold a list of named chat templates (the 'default' one is the template); the
+    refusals whole, under the default key and under the key a command names (prepare_data's --tokenizer);
+    what a tokenizer records (`meta`) and how it describes itself."""
+    from helpers import byte_level_bpe
+
+    for spec in ("", "bytes"):
+        tok = tok_lib.load(spec, eos_id=3)
+        assert (tok.kind, tok.eos_id, tok.vocab_size) == ("bytes", 3, 256), spec
+    assert tok.meta() == {"kind": "bytes", "hash": tok.hash, "vocab_size": 256, "eos_id": 3, "bos_id": None,
+                          "add_bos": False, "files": []}
+    assert tok.describe() == "bytes tokenizer bytes (256 ids, eos 3, bos None)"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    byte_level_bpe(["hello world"] * 10, 280, ["<s>", "</s>"]).save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "add_bos_token": True, "eos_token": "</s>",
+        "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    tok = tok_lib.load(str(hf))
+    assert tok.kind == "hf" and tok.chat_template == "D" and tok.source == str(hf)
+    assert tok.meta()["files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert tok.describe() == f"hf tokenizer {hf} ({tok.vocab_size} ids, eos 1, bos 0)"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    for spec, rest in (
+            ("/no/such", "no such file or directory; pass 'bytes', a tokenizer.json, an HF model directory, or a "
+                         "SentencePiece / tiktoken model file"),
+            (str(tmp_path / "empty"), "the directory holds no tokenizer.json, tokenizer.model or tokenizer.tiktoken; "
+                                      "pass the directory of an HF model or a file"),
+            (str(tmp_path / "notes.txt"), "unknown kind of file; pass a tokenizer.json, an HF model directory, a "
+                                          "SentencePiece .model or a tiktoken .tiktoken / tokenizer.model")):
+        for key in ("config.data.tokenizer", "--tokenizer"):
+            with pytest.raises(ConfigError) as e:
+                tok_lib.load(spec, key=key)
+            assert str(e.value) == f"{key}={spec!r}: {rest}", (spec, key)
