@@ -678,6 +678,7 @@ def test_an_hf_directorys_bos_and_eos_follow_its_config_else_its_post_processor_
         (directory / "tokenizer_config.json").write_text(json.dumps(config))
         tok = tok_lib.load(str(directory))
         assert tok.add_bos == add_bos and (tok.documents(["a"])[0][0] == bos) == add_bos, name
+        assert tok.describe().endswith(f", bos {bos if add_bos else None})"), name  # the bos documents get
         assert tok.bos_id == (bos if "bos_token" in config else None), name
         if name in ("post", "plain"):
             fast = transformers.AutoTokenizer.from_pretrained(str(directory))
@@ -718,7 +719,263 @@ def test_tokenizer_specs_load_what_they_name_and_refuse_the_rest_word_for_word(t
                                       "pass the directory of an HF model or a file"),
             (str(tmp_path / "notes.txt"), "unknown kind of file; pass a tokenizer.json, an HF model directory, a "
                                           "SentencePiece .model or a tiktoken .tiktoken / tokenizer.model")):
-        for key in ("config.data.tokenizer", "--tokenizer"):
+        for key in (None, "config.data.tokenizer", "--tokenizer"):  # None: the default key
             with pytest.raises(ConfigError) as e:
-                tok_lib.load(spec, key=key)
-            assert str(e.value) == f"{key}={spec!r}: {rest}", (spec, key)
+                tok_lib.load(spec) if key is None else tok_lib.load(spec, key=key)
+            assert str(e.value) == f"{key or 'config.data.tokenizer'}={spec!r}: {rest}", (spec, key)
+
+
+def test_tokenizer_files_read_as_their_own_libraries_read_them_and_refusals_quote_the_library(tmp_path, monkeypatch):
+    """What `load` reads from each kind of file, against the file's own library: an HF vocabulary counts the
+    tokens added after training; a config token may be {"content": ...} (older transformers write that); a
+    tokenizer.json under another name is read alone (not with the directory's tokenizer_config.json), and
+    without a usual end token it has no eos; text and chat text encode without the post-processor's bos and
+    decoding drops special tokens; a SentencePiece model numbering its eos 0 and without bos; a tiktoken
+    file's 256 special tokens, its bos, and the names a chat template reads; the byte tokenizer's chat
+    offsets; the refusals whole: an unreadable tokenizer.json or SentencePiece model (the library's first
+    error line, cut at 120 characters), a missing optional package."""
+    import base64
+
+    import tokenizers
+    from tokenizers import processors
+
+    from helpers import byte_level_bpe
+
+    rust = byte_level_bpe(["hello world, a test"] * 10, 300, ["<s>", "</s>"])
+    bos, eos = rust.token_to_id("<s>"), rust.token_to_id("</s>")
+    rust.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    rust.add_special_tokens(["<|im_end|>"])  # added after training: outside the model's own vocabulary
+    d = tmp_path / "hf"
+    d.mkdir()
+    rust.save(str(d / "tokenizer.json"))
+    shutil.copyfile(d / "tokenizer.json", d / "other.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>", "lstrip": False},
+                                                         "eos_token": {"content": "</s>", "rstrip": False}}))
+    tok = tok_lib.load(str(d))
+    assert tok.vocab_size == rust.get_vocab_size(with_added_tokens=True) == rust.token_to_id("<|im_end|>") + 1
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (bos, eos, True)
+    assert tok.template_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert tok.encode("hello") == rust.encode("hello", add_special_tokens=False).ids != rust.encode("hello").ids
+    assert tok.decode(tok.document("hello")) == "hello"  # bos and eos dropped
+    assert tok.encode_chat("<s>hello</s>")[0] == [bos] + tok.encode("hello") + [eos]  # the text's own bos only
+    alone = tok_lib.load(str(d / "other.json"))  # no config read: eos the first usual end token it holds
+    assert (alone.eos_id, alone.bos_id, alone.add_bos, alone.template_tokens) == (eos, None, False, {})
+    assert alone.files == [("tokenizer.json", str(d / "other.json"))]
+    rust_no_end = byte_level_bpe(["hello world"] * 10, 280, ["<pad>"])
+    rust_no_end.save(str(tmp_path / "no_end.json"))
+    no_end = tok_lib.load(str(tmp_path / "no_end.json"))
+    assert no_end.eos_id is None and no_end.document("hello") == no_end.encode("hello")  # nothing to end it
+    # an unreadable tokenizer.json: the library's first error line, cut at 120 characters
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text(json.dumps({"added_tokens": "Z" * 150}))
+    with pytest.raises(Exception) as lib:
+        tokenizers.Tokenizer.from_file(str(tmp_path / "bad" / "tokenizer.json"))
+    first = str(lib.value).splitlines()[0]
+    assert len(first) > 121
+    with pytest.raises(ConfigError) as e:
+        tok_lib.load(str(tmp_path / "bad"))
+    assert str(e.value) == (f"config.data.tokenizer={str(tmp_path / 'bad')!r}: {tmp_path / 'bad' / 'tokenizer.json'} "
+                            f"is not a readable tokenizer.json ({first[:120]}); pass a file written by the "
+                            "tokenizers or transformers library")
+    # the byte tokenizer: a template's tokens are text, each byte's offsets those of its character
+    assert tok_lib.ByteTokenizer().encode_chat("aé<") == ([97, 0xC3, 0xA9, 60], [(0, 1), (1, 2), (1, 2), (2, 3)])
+    spm = pytest.importorskip("sentencepiece")
+    (tmp_path / "train.txt").write_text("\n".join(["alpha beta gamma delta", "the cat sat on the mat"] * 50))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "eos0"),
+                                   vocab_size=20, minloglevel=2, eos_id=0, unk_id=1, bos_id=-1)
+    sp = tok_lib.load(str(tmp_path / "eos0.model"))
+    assert (sp.eos_id, sp.bos_id, sp.add_bos) == (0, None, False) and sp.document("alpha")[-1] == 0
+    with pytest.raises(ConfigError) as e:
+        sp.encode_chat("<s>alpha")
+    assert str(e.value) == ("a sentencepiece tokenizer cannot encode a chat template's special tokens; use the "
+                            "model's Hugging Face tokenizer (a tokenizer.json, or its directory)")
+    long = tmp_path / ("j" * 130 + ".model")  # SentencePiece names the file in its error: longer than the cut
+    long.write_bytes(b"\xff\xfe not ascii, not a protobuf" * 4)  # a first line that is not ASCII: not tiktoken
+    with pytest.raises(Exception) as lib:
+        spm.SentencePieceProcessor(model_file=str(long))
+    first = str(lib.value).splitlines()[0]
+    assert len(first) > 121
+    with pytest.raises(ConfigError) as e:
+        tok_lib.load(str(long))
+    assert str(e.value) == f"config.data.tokenizer={str(long)!r}: not a readable SentencePiece model ({first[:120]})"
+    tiktoken = pytest.importorskip("tiktoken")
+    ranks = [bytes([i]) for i in range(256)] + [b"al", b"pha", b"alpha"]
+    (tmp_path / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
+                                                      for r, t in enumerate(ranks)))
+    tk = tok_lib.load(str(tmp_path / "tokenizer.model"))  # Llama 3's name, tiktoken's format
+    assert tk.kind == "tiktoken" and tk.enc.name == "tokenizer.model" and tk.add_bos
+    assert len(tk.enc.special_tokens_set) == tok_lib.TIKTOKEN_SPECIALS
+    assert tk.template_tokens == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    assert tk.prompt("alpha") == [259, 258] and tk.decode(tk.document("alpha") + [tk.vocab_size - 1]) == "alpha"
+    assert isinstance(tiktoken.Encoding, type)
+    # a missing optional package: the file, the package and how to install it
+    for package, path in (("sentencepiece", tmp_path / "eos0.model"), ("tiktoken", tmp_path / "tokenizer.model")):
+        monkeypatch.setitem(__import__("sys").modules, package, None)  # `import` of it raises ImportError
+        with pytest.raises(ConfigError) as e:
+            tok_lib.load(str(path))
+        assert str(e.value) == (f"config.data.tokenizer={str(path)!r} needs the {package} package; pip install "
+                                f"{package} (or parallax[data])")
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=10), moves=st.lists(st.integers(0, 2), max_size=10),
+       masked=st.lists(st.booleans(), min_size=21, max_size=21), data=st.data())
+def test_a_stream_of_shards_reads_as_the_concatenation_of_its_documents_and_masks(tmp_path_factory, sizes, moves,
+                                                                                  masked, data):
+    """Shards with and without a loss mask, empty ones among them, a stream over any [lo, hi) of them, any
+    window: the tokens, document starts, loss mask, document count and next document start equal numpy's
+    reading of the concatenated documents (the mask all ones where a shard has none)."""
+    path = str(tmp_path_factory.mktemp("stream"))
+    rng = np.random.default_rng(len(sizes) * 31 + sum(moves))
+    docs = [rng.integers(0, 300, n) for n in sizes]
+    masks = [rng.integers(0, 2, n).astype(np.uint8) for n in sizes]
+    shard_of = np.cumsum([0] + (moves + [0] * len(sizes))[: len(sizes) - 1]).tolist()  # a step of 2: an empty shard
+    shards = []
+    for k in range(shard_of[-1] + 1):
+        mine = [i for i in range(len(docs)) if shard_of[i] == k]
+        entry = shard_lib.write_shard(path, f"s{k}", [docs[i] for i in mine], "uint16",
+                                      masks=[masks[i] for i in mine] if masked[k] else None)
+        shards.append(shard_lib.Shard(path, entry, "uint16"))
+    tokens = np.concatenate(docs)
+    mask = np.concatenate([m if masked[shard_of[i]] else np.ones_like(m) for i, m in enumerate(masks)])
+    starts = np.cumsum([0] + sizes[:-1])
+    lo = data.draw(st.integers(0, len(tokens)))
+    hi = data.draw(st.integers(lo, len(tokens)))
+    stream = shard_lib.ShardStream(shards, lo, hi)
+    assert len(stream) == hi - lo and stream.has_mask == any(masked[k] for k in range(len(shards)))
+    assert stream.num_docs == int(((starts >= lo) & (starts < hi)).sum())
+    for g in (lo, data.draw(st.integers(0, len(tokens) + 1))):
+        later = starts[starts >= g]
+        assert stream.first_start_at_or_after(g) == (int(later[0]) if len(later) else None), g
+    offset = data.draw(st.integers(0, hi - lo))
+    n = data.draw(st.integers(0, hi - lo - offset + 3))
+    a, b = lo + offset, min(lo + offset + n, hi)
+    got, got_starts = stream.window(offset, n)
+    assert got.dtype.kind == "u" if b > a else got.dtype == np.int64  # ids, also where the window is empty
+    assert got_starts.dtype == np.int64
+    np.testing.assert_array_equal(got, tokens[a:b])
+    np.testing.assert_array_equal(got_starts, np.concatenate([[0], starts[(starts > a) & (starts < b)] - a]))
+    got_mask = stream.loss_mask(offset, n)
+    assert got_mask.dtype == np.uint8
+    np.testing.assert_array_equal(got_mask, mask[a:b])
+
+
+def test_a_changed_byte_in_a_shard_or_its_mask_is_refused_naming_the_first_value_out_of_range(tmp_path):
+    """Bytes changed after a shard was written (same size, so the stat check passes) are refused when a
+    window reads them: an id below the manifest's lowest as well as above its highest, and a mask byte of 2,
+    each at its own token (counted from the shard's start, not the window's), the message whole."""
+    d = str(tmp_path)
+    entry = shard_lib.write_shard(d, "s", [[5, 6, 7, 8, 9, 9, 5]], "uint16", masks=[[1, 0, 1, 1, 0, 1, 1]])
+    shard = shard_lib.Shard(d, entry, "uint16")
+    tokens = np.memmap(shard.path, dtype=np.uint16, mode="r+")
+    tokens[3], tokens[5] = 3, 9  # an id below the lowest (5) in a window whose highest is still in range
+    tokens.flush()
+    del tokens
+    np.testing.assert_array_equal(shard.read(0, 3), [5, 6, 7])
+    with pytest.raises(shard_lib.ShardError) as e:
+        shard.read(1, 6)
+    assert str(e.value) == (f"shard {shard.path!r} holds id 3 at token 3, outside the ids [5, 9] its manifest "
+                            "records: the file was changed after it was written; prepare the directory again with "
+                            "launch/prepare_data.py")
+    mask = np.memmap(shard.mask_path, dtype=np.uint8, mode="r+")
+    mask[4] = 2  # after 1s: the first value above 1 is named, at its own token
+    mask.flush()
+    del mask
+    np.testing.assert_array_equal(shard.read_mask(0, 4), [1, 0, 1, 1])
+    with pytest.raises(shard_lib.ShardError) as e:
+        shard.read_mask(2, 7)
+    assert str(e.value) == (f"shard mask {shard.mask_path!r} holds 2 at token 4, not 0 or 1: the file was changed "
+                            "after it was written; prepare the directory again")
+
+
+def test_shard_files_that_disagree_are_refused_word_for_word_and_an_old_entry_reads_with_defaults(tmp_path):
+    """corpus.py's refusals whole, each built alone: what `write_shard` will not write, what `shard_entry`
+    (a restarted preparation) finds damaged, a document index that is not one (junk, int32, 2-D, pickled
+    objects, cut short: numpy's first line), a directory that is not a shard directory, a manifest of
+    another format, a missing or cut mask; a committed shard needs its mask only where it has one; an entry
+    without the keys older manifests lacked reads as from no source, ids anywhere in its dtype, no mask."""
+    d = str(tmp_path)
+    fix = "delete the shard's files and rerun to write it again"
+    # write_shard: a mask of another length, or a value above 1, is refused (the documents stay unwritten)
+    for masks in ([[1, 0]], [[1, 0, 2]]):
+        with pytest.raises(ValueError) as e:
+            shard_lib.write_shard(d, "w", [[5, 6, 7]], "uint16", masks=masks)
+        assert str(e.value) == f"shard w: {len(masks[0])} mask values for 3 tokens (or not 0 / 1)"
+    empty = shard_lib.write_shard(d, "empty", [], "uint16", masks=[])  # a shard of no documents
+    assert (empty["tokens"], empty["documents"], empty["mask"]) == (0, 0, True)
+    assert os.path.getsize(os.path.join(d, "empty.uint16.bin")) == os.path.getsize(os.path.join(d, "empty.mask.bin")) == 0
+    entry = shard_lib.write_shard(d, "s", [[5, 6, 2], [7, 2]], "uint16", masks=[[0, 1, 1], [1, 1]])  # lists: bytes
+    assert os.path.getsize(os.path.join(d, "s.mask.bin")) == 5
+    assert shard_lib.committed(d, "s", "uint16", masked=True) and shard_lib.committed(d, "s", "uint16")
+    shutil.copyfile(os.path.join(d, "s.uint16.bin"), os.path.join(d, "m.uint16.bin"))
+    shutil.copyfile(os.path.join(d, "s.docs.npy"), os.path.join(d, "m.docs.npy"))
+    assert shard_lib.committed(d, "m", "uint16") and not shard_lib.committed(d, "m", "uint16", masked=True)
+    # shard_entry: a mask that does not fit its tokens, each way alone
+    mask_path = os.path.join(d, "s.mask.bin")
+    for data in (b"\x01\x01\x01\x01", b"\x01\x01\x02\x01\x01"):
+        with open(mask_path, "wb") as f:
+            f.write(data)
+        with pytest.raises(shard_lib.ShardError) as e:
+            shard_lib.shard_entry(d, "s", "uint16", eos_id=2, masked=True)
+        assert str(e.value) == (f"shard 's' in {d!r} is damaged (its mask does not fit its tokens); delete its files "
+                                "and rerun to write it again")
+    with open(mask_path, "wb") as f:
+        f.write(b"\x00\x01\x01\x01\x01")
+    # a document index that is not one: the reason, then the fix of the reader that found it
+    index = os.path.join(d, "s.docs.npy")
+    np.save(tmp_path / "objects.npy", np.array([0, "a", None], dtype=object))
+    np.save(tmp_path / "short.npy", np.arange(3, dtype=np.int64))
+    short = (tmp_path / "short.npy").read_bytes()[:-8]
+    for content, reason in ((b"junk" * 4, "no .npy header"),
+                            (np.int32([0, 3]), "holds int32[2], not a list of int64 offsets"),
+                            (np.int64([[0, 3], [1, 2]]), "holds int64[2, 2], not a list of int64 offsets"),
+                            ((tmp_path / "objects.npy").read_bytes(), "Object arrays cannot be loaded when allow_pickle=False"),
+                            (short, "Failed to read all data for array. Expected (3,) = 3 elements, could only read 2 "
+                                    "elements. (file seems not fully written?)")):
+        if isinstance(content, bytes):
+            with open(index, "wb") as f:
+                f.write(content)
+        else:
+            np.save(index, content)
+        with pytest.raises(shard_lib.ShardError) as e:
+            shard_lib.shard_entry(d, "s", "uint16", eos_id=2, masked=True)
+        assert str(e.value) == f"shard index {index!r} is damaged ({reason}); {fix}", reason
+    np.save(index, np.int64([0, 3]))
+    assert shard_lib.shard_entry(d, "s", "uint16", eos_id=2, masked=True) == entry | {
+        "mask_sha256": shard_lib.shard_entry(d, "s", "uint16", eos_id=2, masked=True)["mask_sha256"]}
+    shard = shard_lib.Shard(d, entry, "uint16")
+    assert isinstance(shard.starts, np.memmap)  # read lazily, as the tokens are
+    # a shard's mask missing, or cut short
+    os.rename(mask_path, mask_path + ".away")
+    with pytest.raises(shard_lib.ShardError) as e:
+        shard.check()
+    assert str(e.value) == (f"shard {mask_path!r} is missing or unreadable; restore it, or prepare {d!r} again with "
+                            "launch/prepare_data.py")
+    with open(mask_path, "wb") as f:
+        f.write(b"\x01\x01")
+    with pytest.raises(shard_lib.ShardError) as e:
+        shard.check()
+    assert str(e.value) == (f"shard mask {mask_path!r} holds 2 bytes, but the manifest says 5 tokens; the file was "
+                            "changed or truncated: prepare the directory again")
+    # an entry as older manifests wrote it: no source, no id range, no mask
+    old = shard_lib.Shard(d, {"name": "s", "tokens": 5, "documents": 2}, "uint16")
+    assert (old.source, old.lowest, old.highest, old.has_mask) == ("", 0, 65535, False)
+    # directories that are not shard directories, and a manifest of another format
+    os.makedirs(tmp_path / "partial")
+    os.makedirs(tmp_path / "other")
+    shutil.copyfile(index, tmp_path / "partial" / "s.docs.npy")
+    for path, want in ((str(tmp_path / "nothing"), "is not a directory; pass a directory that launch/prepare_data.py wrote"),
+                       (str(tmp_path / "partial"), "has no manifest.json: its preparation did not finish; rerun the "
+                                                   "same launch/prepare_data.py command to complete it"),
+                       (str(tmp_path / "other"), "has no manifest.json: not a shard directory; write one with "
+                                                 "launch/prepare_data.py")):
+        with pytest.raises(shard_lib.ShardError) as e:
+            shard_lib.read_manifest(path)
+        assert str(e.value) == f"{path!r} {want}"
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump({"format": "parallax-shards/9"}, f)
+    with pytest.raises(shard_lib.ShardError) as e:
+        shard_lib.read_manifest(d)
+    assert str(e.value) == (f"{os.path.join(d, 'manifest.json')}: not a readable shard manifest (ValueError: format "
+                            f"'parallax-shards/9', expected one of {shard_lib.FORMATS}); prepare the directory again "
+                            "with launch/prepare_data.py")
