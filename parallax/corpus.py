@@ -171,7 +171,7 @@ class Shard:
 
     def __init__(self, directory: str, entry: dict, dtype: str):
         self.directory, self.name, self.dtype = directory, entry["name"], dtype
-        self.source, self.n_tokens, self.n_docs = entry.get("source", ""), entry["tokens"], entry["documents"]
+        self.n_tokens, self.n_docs = entry["tokens"], entry["documents"]
         self.lowest, self.highest = int(entry.get("lowest", 0)), int(entry.get("highest", np.iinfo(DTYPES[dtype]).max))
         self.path = os.path.join(directory, token_file(self.name, dtype))
         self.has_mask = bool(entry.get("mask", False))

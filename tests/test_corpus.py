@@ -893,7 +893,7 @@ def test_shard_files_that_disagree_are_refused_word_for_word_and_an_old_entry_re
     (a restarted preparation) finds damaged, a document index that is not one (junk, int32, 2-D, pickled
     objects, cut short: numpy's first line), a directory that is not a shard directory, a manifest of
     another format, a missing or cut mask; a committed shard needs its mask only where it has one; an entry
-    without the keys older manifests lacked reads as from no source, ids anywhere in its dtype, no mask."""
+    without the keys older manifests lacked reads as ids anywhere in its dtype, without a mask."""
     d = str(tmp_path)
     fix = "delete the shard's files and rerun to write it again"
     # write_shard: a mask of another length, or a value above 1, is refused (the documents stay unwritten)
@@ -957,9 +957,9 @@ def test_shard_files_that_disagree_are_refused_word_for_word_and_an_old_entry_re
         shard.check()
     assert str(e.value) == (f"shard mask {mask_path!r} holds 2 bytes, but the manifest says 5 tokens; the file was "
                             "changed or truncated: prepare the directory again")
-    # an entry as older manifests wrote it: no source, no id range, no mask
+    # an entry as older manifests wrote it: no id range, no mask
     old = shard_lib.Shard(d, {"name": "s", "tokens": 5, "documents": 2}, "uint16")
-    assert (old.source, old.lowest, old.highest, old.has_mask) == ("", 0, 65535, False)
+    assert (old.lowest, old.highest, old.has_mask) == (0, 65535, False)
     # directories that are not shard directories, and a manifest of another format
     os.makedirs(tmp_path / "partial")
     os.makedirs(tmp_path / "other")

@@ -255,6 +255,13 @@ def _int8(x, per_layer):
     return np.round(x / scale).astype(np.int8).astype(np.float32) * scale
 
 
+OUTER_METRICS = ("outer_pseudo_grad_norm", "outer_divergence", "outer_fragment")
+
+
+def _square_norm(tree):
+    return float(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree)))
+
+
 @pytest.mark.parametrize("fragments,overlap,dtype,mesh", [
     (1, 0, "float32", dict(data=2, tensor=2)), (2, 0, "float32", dict(data=2, tensor=2)),
     (2, 0, "float32", dict(pipe=2, tensor=2)), (2, 1, "float32", dict(data=2, tensor=2)),
@@ -267,9 +274,11 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     embedding and head with the first) at steps 0 and 2 (mod 4); with overlap the exchange of the
     parameters after step t is applied after step t+1 and mixed half and half into the replicas' (run by the
     programs the training loop picks per kind of step, `Trainer.train_step_at`; the others by the one
-    program that decides on the device). int8:
-    each replica's pseudo-gradient plus its carried rounding error, rounded to int8 (a scale per layer).
-    Streaming runs replicas of a 1f1b pipeline (a fragment is one pipeline rank's layer)."""
+    program that decides on the device). int8: each replica's pseudo-gradient plus its carried rounding
+    error, rounded to int8 (a scale per layer; the error's carry from one sync to the next, which a tie
+    rounded the other way on a last-bit difference would blur here, is checked exactly by
+    `test_a_sync_carries_each_replicas_rounding_error_of_its_fragment`). Streaming runs replicas of a 1f1b pipeline (a fragment is one pipeline rank's
+    layer). The outer metrics of each step (pseudo-gradient norm, the replicas' spread) against numpy's."""
     steps, every, lr, mu, mix = 7, 4, 0.7, 0.9, 0.5
     config = _diloco(tiny_config(), every=every, lr=lr, momentum=mu, dtype=dtype, **mesh)
     config.diloco.update(fragments=fragments, overlap=overlap, mix=mix)
@@ -277,9 +286,11 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     data = make_dataset(config)
     state = trainer.init_state()
     switched = trainer.init_state()
+    logged = []  # each step's outer metrics (one value per replica, the same on each)
     for step in range(steps):  # overlap: each kind of step its own program, as the training loop runs them
         batch = trainer.device_batch(_batch(data, step))
-        state, _ = (trainer.train_step_at(step) if overlap else trainer.train_step)(state, batch)
+        state, metrics = (trainer.train_step_at(step) if overlap else trainer.train_step)(state, batch)
+        logged.append([float(jax.device_get(metrics["path"][k])[0]) for k in OUTER_METRICS])
         if overlap:  # and the one program that decides on the device (checked against the loop too)
             switched, _ = trainer.train_step(switched, batch)
     runs = [jax.device_get(state)] + ([jax.device_get(switched)] if overlap else [])
@@ -292,6 +303,7 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     momentum = jax.tree.map(np.zeros_like, glob)
     errors = [jax.tree.map(np.zeros_like, glob) for _ in range(2)]
     offsets = [f * every // fragments for f in range(fragments)]
+    want = [[np.nan] * 3 for _ in range(steps)]
     for step in range(steps):
         snapshot = [r["params"] for r in replicas]
         batch = _batch(data, step)
@@ -307,11 +319,15 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
             deltas = [jax.tree.map(lambda g, p: g - p, g, _fragment(p, f, fragments)) for p in sent]
             if dtype == "int8":  # fragments == 1 here: the whole trees
                 deltas = [jax.tree.map(np.add, d, e) for d, e in zip(deltas, errors)]
+            square = np.mean([_square_norm(d) for d in deltas])  # as sent, before rounding
+            if dtype == "int8":
                 arrived = [{k: jax.tree.map(lambda x, k=k: _int8(x, k == "blocks"), v) for k, v in d.items()}
                            for d in deltas]
                 errors = [jax.tree.map(np.subtract, d, a) for d, a in zip(deltas, arrived)]
                 deltas = arrived
             delta = jax.tree.map(lambda a, b: (a + b) / 2, *deltas)
+            norm = np.sqrt(_square_norm(delta))  # the replicas' spread: mean |delta_r|^2 - |mean delta|^2
+            want[step] = [norm, np.sqrt(max(square - norm ** 2, 0.0)), f]
             m = jax.tree.map(lambda m, d: mu * m + d, m, delta)
             g = jax.tree.map(lambda g, m, d: g - lr * (d + mu * m), g, m, delta)
             glob, momentum = _set_fragment(glob, g, f, fragments), _set_fragment(momentum, m, f, fragments)
@@ -319,6 +335,7 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
                 mine = _fragment(replicas[r]["params"], f, fragments)
                 mine = jax.tree.map(lambda p, x: mix * p + (1 - mix) * x, mine, g) if overlap else g
                 replicas[r] = {**replicas[r], "params": _set_fragment(replicas[r]["params"], mine, f, fragments)}
+    np.testing.assert_allclose(logged, want, rtol=1e-5, atol=0)  # NaN where no fragment syncs
     for got in runs:
         err, where = max_leaf_rel_err(got["params"], glob)
         print(f"global parameters: worst {where} {err:.2e}")
@@ -399,3 +416,85 @@ def test_diloco_config_errors_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="diloco.pseudo_grad_dtype='int8'.*resume with diloco.pseudo_grad_dtype="
                                           "'float32'"):
         train_and_evaluate(run, str(tmp_path), log=lambda *_: None)
+
+
+def test_a_cut_of_a_layer_stack_moves_the_axes_its_dims_no_longer_divide_to_its_largest_free_dim():
+    """`_fit_spec` by hand: a fragment's arrays keep the stack's spec where it still divides; an axis (or
+    several) of a dim it no longer divides moves, together, to the largest dim nothing splits that they
+    divide (not merely the last one); with none, the dim is whole; a spec shorter than the shape is padded."""
+    from jax.sharding import PartitionSpec as P
+
+    from parallax.steps.diloco import _fit_spec
+
+    sizes = {"pipe": 2, "fsdp": 2, "tensor": 4}
+    cases = [((4, 6, 8), P("pipe", None, "fsdp"), P("pipe", None, "fsdp")),  # fits: unchanged
+             ((4, 8), P("pipe"), P("pipe", None)),  # padded to the shape
+             ((3, 8, 6), P("pipe", "fsdp", None), P(None, "fsdp", ("pipe",))),  # 3 layers over pipe 2
+             ((3, 10, 6, 4), P("pipe"), P(None, ("pipe",), None, None)),  # the largest free dim, not the last
+             ((6, 8, 12), P(("pipe", "fsdp"), None, None), P(None, None, ("pipe", "fsdp"))),  # both move: 4 | 12
+             ((3, 5, 12), P("pipe", None, "tensor"), P(None, None, "tensor")),  # nowhere to go: whole
+             ((3, 12, 9), P("pipe", None, None), P(None, ("pipe",), None)),  # 9 is larger but 2 does not divide it
+             ((3, 4, 5), P("tensor", "pipe", None), P(None, "pipe", None))]  # a free dim of 5: not divisible by 4
+    for shape, spec, want in cases:
+        assert _fit_spec(shape, spec, sizes) == want, (shape, spec)
+
+
+def test_each_fragment_syncs_at_its_own_steps_and_never_before_the_first_inner_step():
+    """`step_kind` against schedules written out by hand: fragment f of F syncs when the parameters it
+    exchanges have taken a multiple of H inner steps plus f H / F (the steps after step 0's, with overlap=0;
+    the parameters a step starts from, one step later, with overlap=1), never at step 0 with overlap=1."""
+    from parallax.steps.diloco import DilocoPath
+
+    for every, fragments, overlap, layers, want in (
+            (1, 1, 0, 2, [0, 0, 0, 0]),  # H = 1: after every step, the first included
+            (1, 1, 1, 2, [-1, 0, 0, 0]),
+            (4, 2, 0, 2, [-1, 1, -1, 0, -1, 1, -1, 0, -1, 1]),
+            (4, 2, 1, 2, [-1, -1, 1, -1, 0, -1, 1, -1, 0, -1]),
+            (6, 3, 0, 3, [-1, 1, -1, 2, -1, 0, -1, 1, -1, 2, -1, 0]),
+            (6, 3, 1, 3, [-1, -1, 1, -1, 2, -1, 0, -1, 1, -1, 2, -1])):
+        config = _diloco(tiny_config(), every=every)
+        config.diloco.update(fragments=fragments, overlap=overlap)
+        config.model.num_layers = layers
+        path = DilocoPath(make_plan(config, 2, "cpu"), None)
+        assert [path.step_kind(s) for s in range(len(want))] == want, (every, fragments, overlap)
+
+
+def test_a_sync_carries_each_replicas_rounding_error_of_its_fragment():
+    """int8 streaming (2 fragments, a layer each), fragment 1's sync on given replicas' parameters and
+    carried errors, against numpy: its pseudo-gradients plus the errors carried in arrive rounded, the
+    global layer moves by their mean (outer SGD, lr 1), every replica restarts from it, and each replica's
+    new error is what its rounding lost, in that layer only; the other layer, its error and the parameters
+    outside the stack stay as they were."""
+    config = _diloco(tiny_config(), every=2, dtype="int8", data=2, tensor=2)
+    config.diloco.fragments = 2
+    trainer = Trainer(config, devices=jax.devices())
+    path, state = trainer.path, trainer.init_state()
+    glob, inner = jax.device_get(state["params"]), jax.device_get(state["diloco"])
+    rng = np.random.default_rng(5)
+    noise = lambda x, s: (rng.normal(size=x.shape) * s).astype(np.float32)
+    exchanged = jax.tree.map(lambda g, a: (g[None] + noise(a, 1e-2)).astype(np.float32), glob, inner["params"])
+    error = jax.tree.map(lambda a: noise(a, 1e-4), inner["error"])
+    put = lambda tree, like: jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)
+    carried = {**state["diloco"], "error": put(error, state["diloco"]["error"])}
+    new_glob, out, _ = jax.device_get(jax.jit(lambda g, d, x: path.sync(g, d, x, f=1))(
+        state["params"], carried, put(exchanged, state["diloco"]["params"])))
+    layer = lambda x: x[1:2]  # fragment 1: the second layer of the stack
+    for name in glob["blocks"]:
+        g, p, e = glob["blocks"][name], exchanged["blocks"][name], error["blocks"][name]
+        deltas = [layer(g) - layer(p[r]) + layer(e[r]) for r in range(2)]
+        arrived = [_int8(d, True) for d in deltas]
+        want = layer(g) - (arrived[0] + arrived[1]) / 2
+        np.testing.assert_allclose(layer(new_glob["blocks"][name]), want, rtol=1e-6, atol=1e-8, err_msg=name)
+        np.testing.assert_array_equal(new_glob["blocks"][name][:1], g[:1], err_msg=name)
+        for r in range(2):
+            np.testing.assert_allclose(layer(out["params"]["blocks"][name][r]), want, rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(layer(out["error"]["blocks"][name][r]), deltas[r] - arrived[r], rtol=1e-5,
+                                       atol=1e-8, err_msg=name)
+            np.testing.assert_array_equal(out["error"]["blocks"][name][r][:1], e[r][:1], err_msg=name)
+            np.testing.assert_array_equal(out["params"]["blocks"][name][r][:1], inner["params"]["blocks"][name][r][:1])
+    for name in glob:  # the embedding, final norm and head sync with fragment 0
+        if name != "blocks":
+            for got, want in zip(jax.tree.leaves(new_glob[name]), jax.tree.leaves(glob[name])):
+                np.testing.assert_array_equal(got, want)
+            for got, want in zip(jax.tree.leaves(out["error"][name]), jax.tree.leaves(error[name])):
+                np.testing.assert_array_equal(got, want)
