@@ -219,6 +219,7 @@ def test_exchange_rounds_each_replicas_pseudo_gradient_as_numpy_does(sync_traine
     deltas = [{k: jax.tree.map(lambda g, p, e: g - p[r] + e[r], glob[k], stacked[k], error[k]) for k in glob}
               for r in range(2)]
     arrived = [{k: jax.tree.map(lambda x, k=k: rounded(x, k == "blocks"), v) for k, v in d.items()} for d in deltas]
+    assert jax.tree.structure(mean) == jax.tree.structure(glob)  # a value per leaf (zip below would stop short)
     for got, want in zip(jax.tree.leaves(mean), jax.tree.leaves(jax.tree.map(lambda a, b: (a + b) / 2, *arrived))):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)  # a few fp32 ulps of 0.03 (the sum cancels)
     for r in range(2):
