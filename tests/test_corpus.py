@@ -903,7 +903,8 @@ def test_shard_files_that_disagree_are_refused_word_for_word_and_an_old_entry_re
         assert str(e.value) == f"shard w: {len(masks[0])} mask values for 3 tokens (or not 0 / 1)"
     empty = shard_lib.write_shard(d, "empty", [], "uint16", masks=[])  # a shard of no documents
     assert (empty["tokens"], empty["documents"], empty["mask"]) == (0, 0, True)
-    assert os.path.getsize(os.path.join(d, "empty.uint16.bin")) == os.path.getsize(os.path.join(d, "empty.mask.bin")) == 0
+    sizes = [os.path.getsize(os.path.join(d, name)) for name in ("empty.uint16.bin", "empty.mask.bin")]
+    assert sizes == [0, 0]
     entry = shard_lib.write_shard(d, "s", [[5, 6, 2], [7, 2]], "uint16", masks=[[0, 1, 1], [1, 1]])  # lists: bytes
     assert os.path.getsize(os.path.join(d, "s.mask.bin")) == 5
     assert shard_lib.committed(d, "s", "uint16", masked=True) and shard_lib.committed(d, "s", "uint16")
@@ -929,7 +930,8 @@ def test_shard_files_that_disagree_are_refused_word_for_word_and_an_old_entry_re
     for content, reason in ((b"junk" * 4, "no .npy header"),
                             (np.int32([0, 3]), "holds int32[2], not a list of int64 offsets"),
                             (np.int64([[0, 3], [1, 2]]), "holds int64[2, 2], not a list of int64 offsets"),
-                            ((tmp_path / "objects.npy").read_bytes(), "Object arrays cannot be loaded when allow_pickle=False"),
+                            ((tmp_path / "objects.npy").read_bytes(),
+                             "Object arrays cannot be loaded when allow_pickle=False"),
                             (short, "Failed to read all data for array. Expected (3,) = 3 elements, could only read 2 "
                                     "elements. (file seems not fully written?)")):
         if isinstance(content, bytes):
@@ -964,7 +966,8 @@ def test_shard_files_that_disagree_are_refused_word_for_word_and_an_old_entry_re
     os.makedirs(tmp_path / "partial")
     os.makedirs(tmp_path / "other")
     shutil.copyfile(index, tmp_path / "partial" / "s.docs.npy")
-    for path, want in ((str(tmp_path / "nothing"), "is not a directory; pass a directory that launch/prepare_data.py wrote"),
+    for path, want in ((str(tmp_path / "nothing"), "is not a directory; pass a directory that "
+                                                   "launch/prepare_data.py wrote"),
                        (str(tmp_path / "partial"), "has no manifest.json: its preparation did not finish; rerun the "
                                                    "same launch/prepare_data.py command to complete it"),
                        (str(tmp_path / "other"), "has no manifest.json: not a shard directory; write one with "

@@ -278,8 +278,9 @@ def test_outer_steps_match_a_reference_loop(fragments, overlap, dtype, mesh):
     program that decides on the device). int8: each replica's pseudo-gradient plus its carried rounding
     error, rounded to int8 (a scale per layer; the error's carry from one sync to the next, which a tie
     rounded the other way on a last-bit difference would blur here, is checked exactly by
-    `test_a_sync_carries_each_replicas_rounding_error_of_its_fragment`). Streaming runs replicas of a 1f1b pipeline (a fragment is one pipeline rank's
-    layer). The outer metrics of each step (pseudo-gradient norm, the replicas' spread) against numpy's."""
+    `test_a_sync_carries_each_replicas_rounding_error_of_its_fragment`). Streaming runs replicas of a 1f1b
+    pipeline (a fragment is one pipeline rank's layer). The outer metrics of each step (pseudo-gradient
+    norm, the replicas' spread) against numpy's."""
     steps, every, lr, mu, mix = 7, 4, 0.7, 0.9, 0.5
     config = _diloco(tiny_config(), every=every, lr=lr, momentum=mu, dtype=dtype, **mesh)
     config.diloco.update(fragments=fragments, overlap=overlap, mix=mix)
