@@ -145,9 +145,10 @@ def _check_field(path: str, kind: str, text_field: str) -> None:
                                           "line, or pass --text_field=NAME")
     elif kind in ("parquet", "arrow"):
         pa = _pyarrow(path)
+        files = [path] if kind == "parquet" else _arrow_files(path)  # a dataset without files: nothing to read
         names = (pa.parquet.ParquetFile(path).schema_arrow.names if kind == "parquet" else
-                 [n for f in _arrow_files(path) for n in _arrow_table(f).schema.names])
-        if text_field not in names:
+                 [n for f in files for n in _arrow_table(f).schema.names])
+        if files and text_field not in names:
             raise ConfigError(f"{path}: no {text_field!r} column (it has: {', '.join(names[:8])}); "
                               "pass --text_field=NAME")
 
@@ -168,7 +169,7 @@ class ChatRows:
     """The chat settings of a preparation, resolved at its first file of chat rows (a corpus without one
     needs no template)."""
 
-    def __init__(self, tok, spec: str = "", loss_on: str = "assistant"):
+    def __init__(self, tok, spec: str, loss_on: str):
         if loss_on not in chat_lib.LOSS_ON:
             raise ConfigError(f"--loss_on={loss_on}: use one of {', '.join(chat_lib.LOSS_ON)}")
         self.tok, self.spec, self.loss_on, self.settings = tok, spec, loss_on, None
@@ -305,19 +306,23 @@ def read_unit(unit: Unit, text_field: str = "text") -> list:
         with open(path, "rb") as f:
             f.seek(unit.start)
             chunk = f.read(unit.stop - unit.start)
-        if unit.kind == "chat":
-            return [json.loads(line) for line in chunk.splitlines() if line.strip()]
+        # Lines end at b"\n" only, as the plan's checks and cuts read them (bytes.splitlines would also cut
+        # at a bare b"\r", which JSON allows as whitespace inside a line).
+        lines = [line for line in chunk.split(b"\n") if line.strip()]
         docs = []
-        for line in chunk.splitlines():
-            if not line.strip():
-                continue
+        for line in lines:
             try:
-                text = json.loads(line)[text_field]
+                record = json.loads(line)
+                text = record if unit.kind == "chat" else record[text_field]
             except (ValueError, KeyError, TypeError):
-                _check_field(path, "jsonl", text_field)  # names the file:line (the file changed since the plan)
-                raise ConfigError(f"{path}: a line in bytes [{unit.start}, {unit.stop}) is not a JSON object "
-                                  f"with a {text_field!r} field: {line[:80]!r}") from None
-            if text:
+                if unit.kind == "jsonl":
+                    _check_field(path, "jsonl", text_field)  # names the file:line (it changed since the plan)
+                what = "JSON" if unit.kind == "chat" else f"a JSON object with a {text_field!r} field"
+                raise ConfigError(f"{path}: a line in bytes [{unit.start}, {unit.stop}) is not {what} (the file "
+                                  f"changed since it was planned; rerun with --overwrite): {line[:80]!r}") from None
+            if unit.kind == "chat":
+                docs.append(record)
+            elif text:
                 docs.append(str(text))
         return docs
     if unit.kind == "parquet":
