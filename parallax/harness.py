@@ -212,7 +212,9 @@ class ParallaxLM(TemplateLM):
         model = nnx.merge(graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         segment_ids = (positions < lengths[:, None]).astype(jnp.int32)  # real tokens are segment 1, padding 0
-        batch = {"inputs": inputs, "segment_ids": segment_ids, "positions": positions}
+        # weights: what a model's aux terms weigh tokens by (an MoE layer's balance loss reads them)
+        batch = {"inputs": inputs, "segment_ids": segment_ids, "positions": positions,
+                 "weights": segment_ids.astype(jnp.float32)}
         return _token_scores(model, forward(model, batch, par=par), targets, par)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:

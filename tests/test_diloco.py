@@ -499,3 +499,37 @@ def test_a_sync_carries_each_replicas_rounding_error_of_its_fragment():
                 np.testing.assert_array_equal(got, want)
             for got, want in zip(jax.tree.leaves(out["error"][name]), jax.tree.leaves(error[name])):
                 np.testing.assert_array_equal(got, want)
+
+
+def test_the_outer_step_is_sgd_with_momentum_with_or_without_nesterov_on_rounding_without_feedback():
+    """int8 without error feedback, outer lr 0.7 and momentum 0.9 with a momentum carried in: the sync
+    against numpy, as optax.sgd: m' = 0.9 m + mean, and the step is mean + 0.9 m' (Nesterov) or m'; the
+    pseudo-gradients arrive rounded with nothing carried (the state holds no error)."""
+    config = _diloco(tiny_config(), lr=0.7, momentum=0.9, dtype="int8", data=2, tensor=2)
+    config.diloco.error_feedback = False
+    trainer = Trainer(config, devices=jax.devices())
+    path, state = trainer.path, trainer.init_state()
+    assert "error" not in state["diloco"]
+    glob = jax.device_get(state["params"])
+    rng = np.random.default_rng(7)
+    noise = lambda x, s: (rng.normal(size=x.shape) * s).astype(np.float32)
+    exchanged = jax.tree.map(lambda g, a: (g[None] + noise(a, 1e-2)).astype(np.float32), glob,
+                             jax.device_get(state["diloco"]["params"]))
+    momentum = jax.tree.map(lambda m: noise(m, 1e-2), jax.device_get(state["diloco"]["momentum"]))
+    put = lambda tree, like: jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)
+    inner = {**state["diloco"], "momentum": put(momentum, state["diloco"]["momentum"])}
+    deltas = [{k: jax.tree.map(lambda g, p: g - p[r], glob[k], exchanged[k]) for k in glob} for r in range(2)]
+    arrived = [{k: jax.tree.map(lambda x, k=k: _int8(x, k == "blocks"), v) for k, v in d.items()} for d in deltas]
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, *arrived)
+    m = jax.tree.map(lambda m, d: 0.9 * m + d, momentum, mean)
+    for nesterov in (True, False):
+        path.nesterov = nesterov
+        new_glob, out, _ = jax.device_get(jax.jit(lambda g, d, x: path.sync(g, d, x))(
+            state["params"], inner, put(exchanged, state["diloco"]["params"])))
+        step = jax.tree.map(lambda m, d: d + 0.9 * m, m, mean) if nesterov else m
+        want = jax.tree.map(lambda g, s: g - 0.7 * s, glob, step)
+        assert "error" not in out
+        for got, w in zip(jax.tree.leaves(new_glob), jax.tree.leaves(want)):
+            np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-7, err_msg=str(nesterov))
+        for got, w in zip(jax.tree.leaves(out["momentum"]), jax.tree.leaves(m)):
+            np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-8)

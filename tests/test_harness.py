@@ -307,3 +307,100 @@ def test_apply_chat_template_renders_each_request_as_a_chat_and_scores_the_rende
     history = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
     assert chat_lm.apply_chat_template(history, add_generation_prompt=False) == (
         "<|im_start|>user\nthe cat<|im_end|>\n<|im_start|>assistant\nsat on")  # the answer left open
+
+
+def test_token_scores_make_the_logits_a_chunk_at_a_time_in_fp32_and_equal_numpys_log_softmax(lm):
+    """_token_scores on a real final stream: with a loss_chunk that divides T the program scans T / chunk
+    slices of the logits (a memory property, read from the jaxpr), else one; every way gives numpy's
+    log-softmax at the targets and the argmax test; a bf16 model's logits are scored in fp32."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.merge(lm.graphdef, lm.params)
+    rng = np.random.default_rng(0)
+    B, T = 2, 8
+    batch = {"inputs": rng.integers(0, 256, (B, T)).astype(np.int32), "segment_ids": np.ones((B, T), np.int32),
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))}
+    x = forward(model, batch, par=lm.par)
+    logits = np.asarray(model.logits(x, lm.par), np.float64)
+    targets = rng.integers(0, logits.shape[-1], (B, T)).astype(np.int32)
+    targets[0, :3] = logits[0, :3].argmax(-1)  # some positions where the target is the argmax
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    want = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    for chunk, scans in ((0, 1), (4, 2), (2, 4), (3, 1), (7, 1)):  # 3 and 7 do not divide 8: one slice
+        par = dataclasses.replace(lm.par, loss_chunk=chunk)
+        got, greedy = harness._token_scores(model, x, jnp.asarray(targets), par)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6, err_msg=str(chunk))
+        np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1) == targets)
+        jaxpr = jax.make_jaxpr(lambda x, t: harness._token_scores(model, x, t, par))(x, targets)
+        lengths = [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
+        assert lengths == [scans], (chunk, lengths)
+    low = nnx.merge(lm.graphdef, jax.tree.map(lambda p: p.astype(jnp.bfloat16), lm.params))
+    got, _ = harness._token_scores(low, x.astype(jnp.bfloat16), jnp.asarray(targets), lm.par)
+    assert got.dtype == jnp.float32
+
+
+def test_chat_templates_name_the_model_args_and_a_system_message_is_dropped_only_where_refused(workdir, lm,
+                                                                                              tmp_path, monkeypatch):
+    """Without a chat template (the byte run has none) nothing is rendered and asking for the tokenizer's
+    own is a one-line error naming the model argument; a template that refuses a system message renders the
+    chat without it (as lm-eval's HF model does), one that refuses every chat is a one-line error."""
+    assert lm.chat_template() is None and lm.chat_template(False) is None and lm.chat_template(None) is None
+    with pytest.raises(ConfigError) as e:
+        lm.chat_template(True)
+    assert str(e.value) == (f"--model_args chat_template='': the tokenizer ({lm.tok.describe()}) has no chat "
+                            "template; pass --model_args chat_template=chatml or --model_args chat_template=llama3, "
+                            "or a .jinja file")
+    no_system = tmp_path / "no_system.jinja"
+    no_system.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
+                         "{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    monkeypatch.setattr(lm, "_chat_spec", str(no_system))
+    monkeypatch.setattr(lm, "_chat", None)
+    history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert lm.apply_chat_template(history) == "[user] hi\n[assistant] "
+    assert lm.apply_chat_template(history[1:] + [{"role": "system", "content": "late"}]) == (
+        "[user] hi\n[assistant] ")
+    never = tmp_path / "never.jinja"
+    never.write_text("{{ raise_exception('not this one') }}")
+    monkeypatch.setattr(lm, "_chat_spec", str(never))
+    monkeypatch.setattr(lm, "_chat", None)
+    with pytest.raises(ConfigError) as e:
+        lm.apply_chat_template(history[1:])
+    assert str(e.value) == f"--apply_chat_template: {never} fails on it (TemplateError: not this one)"
+
+
+def test_an_moe_models_rows_score_as_their_own_forward_pass_whatever_shares_the_batch():
+    """The adapter's scoring of configs/moe_tiny.py (random weights, one device; no run to train): a padded
+    row's scores equal numpy's log-softmax of the model's logits over that row alone, whatever row shares
+    its batch (decoding, an MoE layer routes every token). Before the fix every MoE run failed to score: its
+    layers' balance term reads the batch's token weights, which the adapter did not pass."""
+    import functools
+
+    from flax import nnx
+
+    from parallax.generate import decode_parallelism
+    from parallax.trainer import Trainer
+
+    trainer = Trainer(tiny_config("moe"), devices=jax.devices()[:1])
+    params = trainer.init_state()["params"]
+    par = decode_parallelism(trainer.plan.parallelism)
+    score = jax.jit(functools.partial(ParallaxLM._score_batch, trainer.graphdef, par))
+    vocab, T, n = trainer.plan.model_config.vocab_size, 16, 11
+    rng = np.random.default_rng(0)
+    row = rng.integers(0, vocab, n + 1).astype(np.int32)
+    model = nnx.merge(trainer.graphdef, params)
+    alone = {"inputs": row[None, :n], "segment_ids": np.ones((1, n), np.int32), "weights": np.ones((1, n), np.float32),
+             "positions": np.arange(n, dtype=np.int32)[None]}
+    logits = np.asarray(model.logits(forward(model, alone, par=par), par), np.float64)[0]
+    top = logits.max(-1, keepdims=True)
+    want = (logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True)))[np.arange(n), row[1:]]
+    for mate in (np.zeros(T, np.int32), rng.integers(0, vocab, T).astype(np.int32), np.full(T, 3, np.int32)):
+        inputs, targets = np.zeros((2, T), np.int32), np.zeros((2, T), np.int32)
+        inputs[0, :n], targets[0, :n], inputs[1], targets[1] = row[:n], row[1:], mate, np.roll(mate, -1)
+        logp, greedy = jax.device_get(score(params, inputs, targets, np.array([n, T], np.int32)))
+        np.testing.assert_allclose(logp[0, :n], want, rtol=1e-5)
+        np.testing.assert_array_equal(greedy[0, :n], logits.argmax(-1) == row[1:])
