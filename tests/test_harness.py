@@ -131,18 +131,44 @@ def test_generate_until_is_the_greedy_sample_cut_at_eos_and_the_stop_strings(lm,
 
 
 def test_bad_model_args_are_one_line_config_errors(workdir, tmp_path):
-    cases = [(dict(), r"pass one of workdir=RUN_DIR .* or hf_dir=HF_DIR"),
-             (dict(workdir=workdir, hf_dir="x"), "pass one of workdir"),
-             (dict(workdir=workdir, dtype="bf16"), r"--model_args dtype=bf16: not an argument of the parallax model"),
-             (dict(workdir=workdir, batch_size="auto"), r"--batch_size=auto: .* fixed batch size"),
-             (dict(workdir=workdir, batch_size=0), r"batch_size=0: not a positive integer"),
-             (dict(workdir=workdir, max_length=64), r"max_length=64: the run trained on windows of .*=32 tokens"),
-             (dict(workdir=workdir, prefix_token=384), r"prefix_token=384: not a token id of this model \(0..383\)"),
-             (dict(workdir=str(tmp_path)), r"--workdir=.*: no config.json there")]
+    """Each refusal word for word; the defaults: one row per batch, the run's window, no prefix override."""
+    takes = "it takes workdir, hf_dir, max_length, batch_size, prefix_token, chat_template"
+    one_of = ("--model_args: pass one of workdir=RUN_DIR (a parallax run) or hf_dir=HF_DIR (a Hugging Face "
+              "checkpoint)")
+    cases = [(dict(), one_of), (dict(workdir=workdir, hf_dir="x"), one_of),
+             (dict(workdir=workdir, dtype="bf16"), f"--model_args dtype=bf16: not an argument of the parallax model; "
+                                                   f"{takes}"),
+             (dict(workdir=workdir, batch_size="auto:4"), "--batch_size=auto:4: the parallax model takes a fixed "
+                                                          "batch size; pass e.g. --batch_size=8"),
+             (dict(workdir=workdir, batch_size=0), "batch_size=0: not a positive integer; pass e.g. batch_size=8"),
+             (dict(workdir=workdir, max_length=64), "max_length=64: the run trained on windows of train.seq_len=32 "
+                                                    "tokens; pass max_length=32 or less"),
+             (dict(workdir=workdir, prefix_token=384), "prefix_token=384: not a token id of this model (0..383); "
+                                                       "pass e.g. prefix_token=10"),
+             (dict(workdir=workdir, prefix_token="-1"), "prefix_token=-1: not a token id of this model (0..383); "
+                                                        "pass e.g. prefix_token=10")]
     for kwargs, message in cases:
-        with pytest.raises(ConfigError, match=message) as e:
+        with pytest.raises(ConfigError) as e:
             ParallaxLM(**kwargs)
-        assert "\n" not in str(e.value)
+        assert str(e.value) == message
+    with pytest.raises(ConfigError, match=r"--workdir=.*: no config.json there"):
+        ParallaxLM(workdir=str(tmp_path))
+    ids_only = str(tmp_path / "ids_only")  # the run as if it had trained on token ids: no tokenizer kept
+    shutil.copytree(workdir, ids_only, ignore=shutil.ignore_patterns("tokenizer"))
+    with open(os.path.join(ids_only, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(ids_only, "config.json"), "w") as f:
+        json.dump({**config, "data": {**config["data"], "source": "synthetic"}}, f)
+    with pytest.raises(ConfigError) as e:
+        ParallaxLM(workdir=ids_only)
+    assert str(e.value) == (f"workdir={ids_only}: the run trained on token ids without a tokenizer "
+                            "(data.source='synthetic'); lm-eval scores text: evaluate a run trained with a "
+                            "tokenizer (data.tokenizer, or a text corpus)")
+    with pytest.raises(ConfigError) as e:
+        ParallaxLM(workdir=workdir, max_length="32.0")
+    assert str(e.value) == "max_length=32.0: not a positive integer; pass e.g. max_length=8"
+    plain = ParallaxLM(workdir=workdir, prefix_token="383")
+    assert (plain.batch_size, plain.max_length, plain.prefix_token_id) == (1, 32, 383)
 
 
 def test_an_hf_directory_scores_like_the_run_it_was_exported_from(workdir, lm, tmp_path):
@@ -153,11 +179,17 @@ def test_an_hf_directory_scores_like_the_run_it_was_exported_from(workdir, lm, t
 
     out = str(tmp_path / "hf")
     hf.export_workdir(workdir, out, devices=jax.devices()[:1], log=lambda *_: None)
-    with pytest.raises(ConfigError, match=r"hf_dir=.*: no tokenizer there"):
+    with pytest.raises(ConfigError) as e:
         ParallaxLM(hf_dir=out, max_length=32)
+    assert str(e.value) == (f"hf_dir={out}: no tokenizer there (tokenizer.json, tokenizer.model); lm-eval scores "
+                            "text: add the model's tokenizer files to the directory")
+    with pytest.raises(ConfigError) as e:
+        ParallaxLM(hf_dir=out, max_length="0")
+    assert str(e.value) == "max_length=0: not a positive integer; pass e.g. max_length=8"
     tok_lib.train_bpe([" ".join(WORDS)] * 4, 260, out, show_progress=False)
     from_hf = ParallaxLM(hf_dir=out, max_length=32, batch_size=2)
     assert from_hf.tok.kind == "hf" and from_hf.prefix_token_id == from_hf.tok.eos_id == 0
+    assert from_hf.step == 0  # an imported checkpoint has no training step
     requests = [(None, list(b"the cat"), list(b" sat")), (None, [EOS], list(b"a dog ate"))]
     got, want = from_hf._loglikelihood_tokens(requests), lm._loglikelihood_tokens(requests)
     assert [g for _, g in got] == [g for _, g in want]
@@ -362,6 +394,10 @@ def test_chat_templates_name_the_model_args_and_a_system_message_is_dropped_only
     monkeypatch.setattr(lm, "_chat", None)
     history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert lm.apply_chat_template(history) == "[user] hi\n[assistant] "
+    import hashlib
+
+    sha = hashlib.sha256(no_system.read_text().encode()).hexdigest()
+    assert lm.tokenizer_name == f"parallax-{lm.tok.hash[:16]}-{sha[:16]}"  # lm-eval's request cache key
     assert lm.apply_chat_template(history[1:] + [{"role": "system", "content": "late"}]) == (
         "[user] hi\n[assistant] ")
     never = tmp_path / "never.jinja"
@@ -404,3 +440,45 @@ def test_an_moe_models_rows_score_as_their_own_forward_pass_whatever_shares_the_
         logp, greedy = jax.device_get(score(params, inputs, targets, np.array([n, T], np.int32)))
         np.testing.assert_allclose(logp[0, :n], want, rtol=1e-5)
         np.testing.assert_array_equal(greedy[0, :n], logits.argmax(-1) == row[1:])
+
+
+def test_positive_integers_and_padding_buckets_by_hand():
+    """_positive_int takes what writes an integer >= 1 (spaces around it allowed); _bucket pads a batch to
+    the next power of two, at least 16, at most the window."""
+    for value, number in ((1, 1), ("1", 1), ("12", 12), (" 3 ", 3), (7, 7)):
+        assert harness._positive_int("k", value) == number, value
+    for value in (0, -1, "0", "-2", "x", None, "8.0", 8.5, "", True, "1e3"):
+        with pytest.raises(ConfigError) as e:
+            harness._positive_int("k", value)
+        assert str(e.value) == f"k={value}: not a positive integer; pass e.g. k=8", value
+    cases = {(1, 32): 16, (15, 32): 16, (16, 32): 16, (17, 32): 32, (32, 32): 32, (33, 64): 64, (33, 40): 40,
+             (2, 8): 8, (100, 2048): 128, (1024, 2048): 1024, (1025, 2048): 2048}
+    assert {k: harness._bucket(*k) for k in cases} == cases
+
+
+def test_a_text_without_context_is_conditioned_on_bos_else_eos_else_the_named_token(lm, monkeypatch):
+    """prefix_token_id and tok_encode on stand-in tokenizers: bos where the tokenizer adds one, else eos,
+    else a one-line error; prefix_token= (even 0) wins. Text is encoded with the tokenizer's prompt (its
+    bos) unless add_special_tokens=False, and as chat text under a chat template."""
+    import types
+
+    def tok(**kwargs):
+        return types.SimpleNamespace(describe=lambda: "a stand-in tokenizer", encode=lambda s: ["encode", s],
+                                     prompt=lambda s: ["prompt", s], encode_chat=lambda s: (["chat", s], None),
+                                     decode=lambda ids: f"decoded {ids}", **kwargs)
+    for (add_bos, bos, eos), want in (((True, 5, 9), 5), ((False, 5, 9), 9), ((True, None, 9), 9)):
+        monkeypatch.setattr(lm, "tok", tok(add_bos=add_bos, bos_id=bos, eos_id=eos))
+        assert (lm.prefix_token_id, lm.eot_token_id) == (want, 9)
+    monkeypatch.setattr(lm, "tok", tok(add_bos=True, bos_id=None, eos_id=None))
+    with pytest.raises(ConfigError) as e:
+        lm.prefix_token_id
+    assert str(e.value) == ("the run's tokenizer (a stand-in tokenizer) has neither bos nor eos, so nothing "
+                            "conditions a text's first token; pass --model_args ...,prefix_token=ID (e.g. 10, a "
+                            "newline byte)")
+    monkeypatch.setattr(lm, "_prefix", 0)
+    assert lm.prefix_token_id == 0
+    assert lm.tok_encode("x", add_special_tokens=False) == ["encode", "x"]
+    assert lm.tok_encode("x") == lm.tok_encode("x", add_special_tokens=True) == ["prompt", "x"]
+    assert lm.tok_decode([1, 2]) == "decoded [1, 2]" and lm._stop_id is None
+    monkeypatch.setattr(lm, "_chat", object())
+    assert lm.tok_encode("x", add_special_tokens=False) == lm.tok_encode("x") == ["chat", "x"]
