@@ -4,6 +4,7 @@ as, the plan and manifest it writes, its restarts, its workers, its progress and
 word for word. All with the byte tokenizer on inputs of a few hundred bytes: about 10 s in all."""
 
 import builtins
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -413,8 +414,17 @@ def test_one_worker_works_in_this_process_and_more_are_spawned_fresh(tmp_path, m
     assert calls == ["main-00000", "chat-00000"]
     monkeypatch.undo()  # (a pool pickles the function it runs by name)
     monkeypatch.setattr(tok_lib, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("not in a worker")))
+    monkeypatch.setattr(prep, "_WORKER_TOKENIZER", {})  # nothing cached here for a forked worker to inherit
+    pools = []
+
+    class Pool(concurrent.futures.ProcessPoolExecutor):  # the pool prepare starts, as it is started
+        def __init__(self, max_workers=None, mp_context=None, initializer=None, **kwargs):
+            pools.append((max_workers, mp_context and mp_context.get_start_method(), initializer))
+            super().__init__(max_workers, mp_context=mp_context, initializer=initializer, **kwargs)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
     two = prep.prepare(inputs, str(tmp_path / "two"), chat_template="chatml", workers=2, **QUIET)
     assert calls == ["main-00000", "chat-00000"] and two["shards"] == one["shards"]
+    assert pools == [(2, "spawn", prep._worker_init)]
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     prep._worker_init()
     # the values the tokenizers library reads as off (its utils/parallelism.rs, lowercased)
