@@ -482,3 +482,105 @@ def test_a_text_without_context_is_conditioned_on_bos_else_eos_else_the_named_to
     assert lm.tok_decode([1, 2]) == "decoded [1, 2]" and lm._stop_id is None
     monkeypatch.setattr(lm, "_chat", object())
     assert lm.tok_encode("x", add_special_tokens=False) == lm.tok_encode("x") == ["chat", "x"]
+
+
+def test_scored_requests_cut_their_context_to_the_window_reach_the_cache_and_bad_ones_are_refused(lm, monkeypatch):
+    """A context longer than the window is cut on the left (the continuation kept whole); every keyed result
+    reaches lm-eval's cache hook under its key (rolling ones under their text); an empty continuation or
+    one longer than the window is a one-line error."""
+    import types
+
+    hook = []
+    monkeypatch.setattr(lm, "cache_hook", types.SimpleNamespace(add_partial=lambda *a: hook.append(a)))
+    context, continuation = list(("the cat sat on a mat " * 3).encode()), list(b" and")
+    got = lm._loglikelihood_tokens([("key", context, continuation), (None, [EOS], list(b"a dog"))])
+    kept = (context + continuation)[-(lm.max_length + 1):]  # the window's inputs and the last target
+    want, want_greedy = _direct(lm, kept[:-len(continuation)], continuation)
+    assert got[0][0] == pytest.approx(want, rel=1e-5) and got[0][1] == want_greedy
+    assert hook == [("loglikelihood", "key", got[0])]
+    hook.clear()
+    (total,) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [("a dog",)]))
+    assert hook == [("loglikelihood_rolling", ("a dog",), total)]
+    with pytest.raises(ConfigError) as e:
+        lm._loglikelihood_tokens([(("ctx", ""), [1, 2], [])])
+    assert str(e.value) == ("an empty continuation to score (request ('ctx', '')); the task's continuation must "
+                            "hold at least one token")
+    with pytest.raises(ConfigError) as e:
+        lm._loglikelihood_tokens([(None, [1], [5] * 33)])
+    assert str(e.value) == ("a continuation of 33 tokens is longer than max_length=32; pass --model_args "
+                            "...,max_length=33 or more")
+
+
+def test_generation_batches_by_settings_cuts_prompts_to_leave_room_and_caches_each_text(lm, monkeypatch):
+    """generate_until groups requests by their settings in batches of batch_size, cuts each text before the
+    stop id and the first stop string (an empty one stops nothing), and hands each to lm-eval's cache hook;
+    _generate cuts a prompt on the left to leave the new tokens room in the window (at least one token
+    kept) and passes the sampler the run's stop id, vocabulary and settings."""
+    import types
+
+    hook, calls = [], []
+    monkeypatch.setattr(lm, "cache_hook", types.SimpleNamespace(add_partial=lambda *a: hook.append(a)))
+    canned = list(b"ab\ncd") + [EOS] + list(b"ef")
+    monkeypatch.setattr(lm, "_generate", lambda prompts, n, sampling: calls.append((prompts, n, sampling)) or
+                        [canned[:n] for _ in prompts])
+    greedy, sampled = {"until": ["", "\n"], "max_gen_toks": 9}, {"until": "c", "max_gen_toks": 4, "do_sample": True}
+    args = [("x", greedy), ("yy", greedy), ("z", sampled), ("w", greedy)]
+    assert lm.generate_until(_requests("generate_until", args)) == ["ab", "ab", "ab\n", "ab"]
+    sampling = (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", 0))
+    assert calls == [([list(b"x"), list(b"yy")], 9, (("temperature", 0.0),)), ([list(b"w")], 9, (("temperature", 0.0),)),
+                     ([list(b"z")], 4, sampling)]
+    assert hook == [("generate_until", a, t) for a, t in zip([args[0], args[1], args[3], args[2]],
+                                                               ["ab", "ab", "ab", "ab\n"])]
+    monkeypatch.undo()
+    seen = []
+    monkeypatch.setattr(harness, "generate", lambda *a, **k: seen.append((a, k)) or [np.array([1, 2])])
+    prompt = list(range(40))
+    assert lm._generate([prompt], 5, (("temperature", 0.5), ("seed", 3))) == [[1, 2]]
+    assert lm._generate([prompt], 40, ()) == [[1, 2]]
+    (a, k), (a2, _) = seen
+    assert a == (lm.graphdef, lm.params, [prompt[-27:]], 5, 32) and a2[2] == [prompt[-1:]]
+    assert k == dict(temperature=0.5, seed=3, eos_id=EOS, par=lm.par, vocab_size=lm.vocab_size)
+
+
+def test_a_tasks_data_that_cannot_be_fetched_is_one_line_saying_how_and_the_loggers_are_restored(workdir, tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """_check_run (through harness.main) when a task's data is neither cached nor downloadable: one line
+    naming the task, the reason on one line and the fix, which depends on the offline variables; the
+    loggers it quieted get their levels back."""
+    import logging
+    import sys
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.tasks import TaskManager
+
+    for key, value in _write_tasks(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    resolved, process_tasks = {}, EvaluatorConfig.process_tasks
+
+    def once(self, metadata=None):  # lm-eval indexes its task library once (seconds), not for each case
+        if not resolved:
+            resolved.update(manager=process_tasks(self, metadata), tasks=self.tasks)
+        self.tasks = resolved["tasks"]
+        return resolved["manager"]
+    monkeypatch.setattr(EvaluatorConfig, "process_tasks", once)
+    monkeypatch.setattr(TaskManager, "load", lambda self, tasks: (_ for _ in ()).throw(
+        ConnectionError("no route\n   to host")))
+    monkeypatch.setattr(sys, "argv", ["launch/harness.py", "--model", "parallax", "--include_path", str(tmp_path),
+                                      "--model_args", f"workdir={workdir}", "--tasks", "local_mc"])
+    datasets_log = logging.getLogger("datasets")
+    before = datasets_log.level
+    for offline, how in (({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+                          "unset HF_HUB_OFFLINE and HF_DATASETS_OFFLINE to download it"),
+                         ({"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "yes"}, "unset HF_DATASETS_OFFLINE to download it"),
+                         ({"HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "0"},
+                          "connect to the Hugging Face Hub once to cache it")):
+        for key, value in offline.items():
+            monkeypatch.setenv(key, value)
+        datasets_log.setLevel(logging.DEBUG)
+        with pytest.raises(SystemExit) as exit_info:
+            harness.main()
+        assert exit_info.value.code == 2 and datasets_log.level == logging.DEBUG
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"config error: --tasks local_mc: its data is not cached and cannot be downloaded (no route to host); "
+            f"{how}, or pick a task whose data is cached")
+    datasets_log.setLevel(before)
