@@ -527,7 +527,8 @@ def test_generation_batches_by_settings_cuts_prompts_to_leave_room_and_caches_ea
     args = [("x", greedy), ("yy", greedy), ("z", sampled), ("w", greedy)]
     assert lm.generate_until(_requests("generate_until", args)) == ["ab", "ab", "ab\n", "ab"]
     sampling = (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", 0))
-    assert calls == [([list(b"x"), list(b"yy")], 9, (("temperature", 0.0),)), ([list(b"w")], 9, (("temperature", 0.0),)),
+    greedy_sampling = (("temperature", 0.0),)
+    assert calls == [([list(b"x"), list(b"yy")], 9, greedy_sampling), ([list(b"w")], 9, greedy_sampling),
                      ([list(b"z")], 4, sampling)]
     assert hook == [("generate_until", a, t) for a, t in zip([args[0], args[1], args[3], args[2]],
                                                                ["ab", "ab", "ab", "ab\n"])]
@@ -571,7 +572,8 @@ def test_a_tasks_data_that_cannot_be_fetched_is_one_line_saying_how_and_the_logg
     before = datasets_log.level
     for offline, how in (({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
                           "unset HF_HUB_OFFLINE and HF_DATASETS_OFFLINE to download it"),
-                         ({"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "yes"}, "unset HF_DATASETS_OFFLINE to download it"),
+                         ({"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "yes"},
+                          "unset HF_DATASETS_OFFLINE to download it"),
                          ({"HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "0"},
                           "connect to the Hugging Face Hub once to cache it")):
         for key, value in offline.items():
