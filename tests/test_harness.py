@@ -295,6 +295,10 @@ def test_main_checks_the_run_and_the_tasks_before_the_model_loads(workdir, tmp_p
             (["--model_args", f"hf_dir={missing}", "--tasks", "local_mc"],
              f"config error: --model_args hf_dir={missing}: no config.json there; pass a Hugging Face model "
              "directory"),
+            (["--model_args", f"workdir={workdir}", "--tasks", "local_mc", "--limit", "abc"],
+             "config error: argument --limit/-L: invalid float value: 'abc' (--help lists the flags)"),
+            (["--config", str(tmp_path / "none.yaml"), "--tasks", "local_mc"],
+             f"config error: Config file not found: {tmp_path / 'none.yaml'}"),
             (["--taks", "local_mc"], None)):
         monkeypatch.setattr(sys, "argv", base + argv)
         with pytest.raises(SystemExit) as exit_info:
@@ -307,6 +311,10 @@ def test_main_checks_the_run_and_the_tasks_before_the_model_loads(workdir, tmp_p
     monkeypatch.setattr(sys, "argv", base + ["--model_args", f"workdir={workdir}", "--tasks", "local_mc"])
     harness.main()
     assert executed and "local_mc" in str(executed[0])
+    monkeypatch.setattr(HarnessCLI, "execute", lambda self, args: executed.append(args.what))
+    monkeypatch.setattr(sys, "argv", ["launch/harness.py", "ls", "tasks"])  # a command without tasks: not checked
+    harness.main()
+    assert executed[-1] == "tasks"
 
 
 def test_apply_chat_template_renders_each_request_as_a_chat_and_scores_the_rendered_tokens(workdir, tmp_path,
