@@ -56,6 +56,15 @@ def test_files_group_by_size_and_the_plan_lists_every_input_file(tmp_path):
         ("files", (path("d"), path("e")), 9),
         ("files", (path("f"),), 1)]  # what is left
     assert files == [(path(n), s, os.stat(path(n)).st_mtime_ns) for n, s in sizes.items()]
+    (tmp_path / "mixed").mkdir()  # jsonl files and a text file in one source: a file's units each, then the group
+    for name in ("x1.jsonl", "x2.jsonl"):
+        _write_lines(tmp_path / "mixed" / name, [{"text": "a"}, {"text": "b"}])
+    (tmp_path / "mixed" / "t.txt").write_text("text")
+    units, _ = prep.plan_units([("m", str(tmp_path / "mixed"))], 1 << 20)
+    mixed = lambda n: str(tmp_path / "mixed" / n)  # noqa: E731
+    assert [(u.kind, u.paths, u.start, u.stop) for u in units] == [
+        ("jsonl", (mixed("x1.jsonl"),), 0, 28), ("jsonl", (mixed("x2.jsonl"),), 0, 28),
+        ("files", (mixed("t.txt"),), 0, 0)]
     message = _refused(prep.plan_units, [("web", str(tmp_path / "nothing*"))], 8)
     assert message == (f"--inputs web={tmp_path}/nothing*: matches no files; fix the pattern (globs need quotes, ** "
                        "for subdirectories)")
@@ -283,6 +292,8 @@ def test_a_file_changed_since_its_plan_is_refused_naming_the_file(tmp_path, monk
 def test_the_plan_and_manifest_hold_what_was_prepared_by_hand_and_restarts_redo_damaged_shards(tmp_path,
                                                                                                 monkeypatch):
     monkeypatch.chdir(tmp_path)
+    renames, replace = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: renames.append((a, b)) or replace(a, b))
     (tmp_path / "src").mkdir()
     texts = {"a.txt": "a" * 8000, "b.txt": "b" * 6000, "c.txt": "third one here"}
     shard_mb = 13000 / (1 << 20)  # a and b reach it; the jsonl file (12,490 bytes) is one unit
@@ -294,6 +305,11 @@ def test_the_plan_and_manifest_hold_what_was_prepared_by_hand_and_restarts_redo_
     os.makedirs("out")  # an empty directory the user made, in a directory that is not empty
     manifest = prep.prepare(inputs, "out", "", shard_mb=shard_mb, text_field="body", **QUIET)
     assert not os.path.exists(prep.PLAN)
+    # every file is written as a temporary beside it (one file system: the rename is atomic) whose name a
+    # restart deletes (*.tmp)
+    assert {b for _, b in renames} >= {os.path.join("out", prep.PLAN), os.path.join("out", shard_lib.MANIFEST)}
+    for temporary, final in renames:
+        assert os.path.dirname(temporary) == os.path.dirname(final) and temporary.endswith(".tmp"), temporary
     with open(os.path.join("out", prep.PLAN)) as f:
         plan = json.load(f)
     pairs = [["code", "src"], ["web", f"{tmp_path}/l.jsonl"]]
