@@ -287,9 +287,9 @@ def test_main_checks_the_run_and_the_tasks_before_the_model_loads(workdir, tmp_p
     base = ["launch/harness.py", "--model", "parallax", "--include_path", str(tmp_path)]
     missing = str(tmp_path / "missing")
     for argv, line in (
-            (["--model_args", f"workdir={workdir}", "--tasks", "no_such_task"],
-             "config error: --tasks no_such_task: no task named no_such_task; `python launch/harness.py ls tasks` "
-             "lists them (a task of your own: --include_path DIR_OF_YAMLS)"),
+            (["--model_args", f"workdir={workdir}", "--tasks", "no_such_task", "nor_this"],
+             "config error: --tasks no_such_task,nor_this: no task named no_such_task, nor_this; `python "
+             "launch/harness.py ls tasks` lists them (a task of your own: --include_path DIR_OF_YAMLS)"),
             (["--model_args", f"workdir={missing}", "--tasks", "local_mc"],
              f"config error: --model_args workdir={missing}: no config.json there; pass the workdir of a parallax run"),
             (["--model_args", f"hf_dir={missing}", "--tasks", "local_mc"],
@@ -566,16 +566,23 @@ def test_a_tasks_data_that_cannot_be_fetched_is_one_line_saying_how_and_the_logg
         monkeypatch.setenv(key, value)
     resolved, process_tasks = {}, EvaluatorConfig.process_tasks
 
-    def once(self, metadata=None):  # lm-eval indexes its task library once (seconds), not for each case
-        if not resolved:
-            resolved.update(manager=process_tasks(self, metadata), tasks=self.tasks)
-        self.tasks = resolved["tasks"]
-        return resolved["manager"]
+    def once(self, metadata=None):  # lm-eval indexes its task library once per --tasks (seconds), not per case
+        key = str(self.tasks)
+        if key not in resolved:
+            resolved[key] = (process_tasks(self, metadata), self.tasks)
+        manager, self.tasks = resolved[key]
+        return manager
     monkeypatch.setattr(EvaluatorConfig, "process_tasks", once)
-    monkeypatch.setattr(TaskManager, "load", lambda self, tasks: (_ for _ in ()).throw(
-        ConnectionError("no route\n   to host")))
-    monkeypatch.setattr(sys, "argv", ["launch/harness.py", "--model", "parallax", "--include_path", str(tmp_path),
-                                      "--model_args", f"workdir={workdir}", "--tasks", "local_mc"])
+    quiet = ("huggingface_hub", "datasets", "lm_eval", "fsspec")
+    levels = []
+
+    def load(self, tasks):
+        levels.append([logging.getLogger(name).level for name in quiet])
+        raise ConnectionError("no route\n   to host")
+    monkeypatch.setattr(TaskManager, "load", load)
+    argv = ["launch/harness.py", "--model", "parallax", "--include_path", str(tmp_path), "--model_args",
+            f"workdir={workdir}", "--tasks"]
+    monkeypatch.setattr(sys, "argv", argv + ["local_mc"])
     datasets_log = logging.getLogger("datasets")
     before = datasets_log.level
     for offline, how in (({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
@@ -593,4 +600,12 @@ def test_a_tasks_data_that_cannot_be_fetched_is_one_line_saying_how_and_the_logg
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
             f"config error: --tasks local_mc: its data is not cached and cannot be downloaded (no route to host); "
             f"{how}, or pick a task whose data is cached")
+    assert levels == [[logging.ERROR] * 4] * 3  # the checks' own retries and notes are quiet
+    # a directory of task YAMLs: lm-eval hands the tasks over as their configs; the line names the task
+    (tmp_path / "one").mkdir()
+    shutil.copy(tmp_path / "local_mc.yaml", tmp_path / "one")
+    monkeypatch.setattr(sys, "argv", argv + [str(tmp_path / "one")])
+    with pytest.raises(SystemExit):
+        harness.main()
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("config error: --tasks local_mc: its data ")
     datasets_log.setLevel(before)
