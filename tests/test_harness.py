@@ -126,8 +126,14 @@ def test_generate_until_is_the_greedy_sample_cut_at_eos_and_the_stop_strings(lm,
     args = [("x", {"until": ["\n"], "max_gen_toks": 20}), ("x", {"until": "at", "max_gen_toks": 20}),
             ("x", {"until": ["zz"], "max_gen_toks": 20}), ("x", {"until": [], "max_gen_toks": 3})]
     assert lm.generate_until(_requests("generate_until", args)) == ["on the", "on the\nm", "on the\nmat", "on "]
-    with pytest.raises(ConfigError, match=r"gen_kwargs num_beams=2: not supported by the parallax model"):
-        lm.generate_until(_requests("generate_until", [("x", {"num_beams": 2})]))
+    with pytest.raises(ConfigError) as e:
+        lm.generate_until(_requests("generate_until", [("x", {"num_beams": 2, "best_of": 3})]))
+    assert str(e.value) == ("gen_kwargs best_of=3: not supported by the parallax model (it takes do_sample, "
+                            "max_gen_toks, seed, temperature, top_k, top_p, until); drop it from the task or "
+                            "--gen_kwargs")
+    with pytest.raises(ConfigError) as e:
+        lm.generate_until(_requests("generate_until", [("x", {"max_gen_toks": 0})]))
+    assert str(e.value) == "max_gen_toks=0: not a positive integer; pass e.g. max_gen_toks=8"
 
 
 def test_bad_model_args_are_one_line_config_errors(workdir, tmp_path):
@@ -483,6 +489,13 @@ def test_a_text_without_context_is_conditioned_on_bos_else_eos_else_the_named_to
     assert str(e.value) == ("the run's tokenizer (a stand-in tokenizer) has neither bos nor eos, so nothing "
                             "conditions a text's first token; pass --model_args ...,prefix_token=ID (e.g. 10, a "
                             "newline byte)")
+    # a text scored whole is conditioned on the prefix (here bos) and encoded without it
+    monkeypatch.setattr(lm, "tok", types.SimpleNamespace(add_bos=True, bos_id=10, eos_id=EOS,
+                                                         encode=lambda s: list(s.encode()),
+                                                         prompt=lambda s: [10] + list(s.encode())))
+    (got,) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [("a dog",)]))
+    assert got == pytest.approx(_direct(lm, [10], list(b"a dog"))[0], rel=1e-5)
+    monkeypatch.setattr(lm, "tok", tok(add_bos=True, bos_id=None, eos_id=None))
     monkeypatch.setattr(lm, "_prefix", 0)
     assert lm.prefix_token_id == 0
     assert lm.tok_encode("x", add_special_tokens=False) == ["encode", "x"]
@@ -492,7 +505,8 @@ def test_a_text_without_context_is_conditioned_on_bos_else_eos_else_the_named_to
     assert lm.tok_encode("x", add_special_tokens=False) == lm.tok_encode("x") == ["chat", "x"]
 
 
-def test_scored_requests_cut_their_context_to_the_window_reach_the_cache_and_bad_ones_are_refused(lm, monkeypatch):
+def test_scored_requests_cut_their_context_to_the_window_reach_the_cache_and_bad_ones_are_refused(lm, monkeypatch,
+                                                                                                    capsys):
     """A context longer than the window is cut on the left (the continuation kept whole); every keyed result
     reaches lm-eval's cache hook under its key (rolling ones under their text); an empty continuation or
     one longer than the window is a one-line error."""
@@ -507,8 +521,10 @@ def test_scored_requests_cut_their_context_to_the_window_reach_the_cache_and_bad
     assert got[0][0] == pytest.approx(want, rel=1e-5) and got[0][1] == want_greedy
     assert hook == [("loglikelihood", "key", got[0])]
     hook.clear()
+    capsys.readouterr()
     (total,) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [("a dog",)]))
     assert hook == [("loglikelihood_rolling", ("a dog",), total)]
+    assert "parallax loglikelihood: 100%" in capsys.readouterr().err  # lm-eval's progress, by default
     with pytest.raises(ConfigError) as e:
         lm._loglikelihood_tokens([(("ctx", ""), [1, 2], [])])
     assert str(e.value) == ("an empty continuation to score (request ('ctx', '')); the task's continuation must "
@@ -519,7 +535,7 @@ def test_scored_requests_cut_their_context_to_the_window_reach_the_cache_and_bad
                             "...,max_length=33 or more")
 
 
-def test_generation_batches_by_settings_cuts_prompts_to_leave_room_and_caches_each_text(lm, monkeypatch):
+def test_generation_batches_by_settings_cuts_prompts_to_leave_room_and_caches_each_text(lm, monkeypatch, capsys):
     """generate_until groups requests by their settings in batches of batch_size, cuts each text before the
     stop id and the first stop string (an empty one stops nothing), and hands each to lm-eval's cache hook;
     _generate cuts a prompt on the left to leave the new tokens room in the window (at least one token
@@ -528,12 +544,14 @@ def test_generation_batches_by_settings_cuts_prompts_to_leave_room_and_caches_ea
 
     hook, calls = [], []
     monkeypatch.setattr(lm, "cache_hook", types.SimpleNamespace(add_partial=lambda *a: hook.append(a)))
-    canned = list(b"ab\ncd") + [EOS] + list(b"ef")
+    canned = list(b"ab\ncd\ne") + [EOS] + list(b"ef")
     monkeypatch.setattr(lm, "_generate", lambda prompts, n, sampling: calls.append((prompts, n, sampling)) or
                         [canned[:n] for _ in prompts])
     greedy, sampled = {"until": ["", "\n"], "max_gen_toks": 9}, {"until": "c", "max_gen_toks": 4, "do_sample": True}
     args = [("x", greedy), ("yy", greedy), ("z", sampled), ("w", greedy)]
+    capsys.readouterr()
     assert lm.generate_until(_requests("generate_until", args)) == ["ab", "ab", "ab\n", "ab"]
+    assert "parallax generate_until: 100%" in capsys.readouterr().err  # lm-eval's progress, by default
     sampling = (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", 0))
     greedy_sampling = (("temperature", 0.0),)
     assert calls == [([list(b"x"), list(b"yy")], 9, greedy_sampling), ([list(b"w")], 9, greedy_sampling),
