@@ -512,10 +512,17 @@ def test_scored_requests_cut_their_context_to_the_window_reach_the_cache_and_bad
     one longer than the window is a one-line error."""
     import types
 
-    hook = []
+    hook, shapes, scores = [], [], lm._scores
     monkeypatch.setattr(lm, "cache_hook", types.SimpleNamespace(add_partial=lambda *a: hook.append(a)))
+    monkeypatch.setattr(lm, "_scores", lambda params, inputs, *a: shapes.append(inputs.shape) or
+                        scores(params, inputs, *a))
     context, continuation = list(("the cat sat on a mat " * 3).encode()), list(b" and")
+    capsys.readouterr()
     got = lm._loglikelihood_tokens([("key", context, continuation), (None, [EOS], list(b"a dog"))])
+    assert "parallax loglikelihood: 100%" in capsys.readouterr().err  # lm-eval's progress, by default
+    # longest first in batches of batch_size rows, each padded to its bucket: 5, 30 and 20 tokens -> (30, 20), (5)
+    lm._loglikelihood_tokens([(None, [EOS], [1] * n) for n in (5, 30, 20)])
+    assert shapes == [(2, 32), (2, 32), (2, 16)]
     kept = (context + continuation)[-(lm.max_length + 1):]  # the window's inputs and the last target
     want, want_greedy = _direct(lm, kept[:-len(continuation)], continuation)
     assert got[0][0] == pytest.approx(want, rel=1e-5) and got[0][1] == want_greedy
