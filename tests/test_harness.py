@@ -612,12 +612,12 @@ def test_a_tasks_data_that_cannot_be_fetched_is_one_line_saying_how_and_the_logg
     before = datasets_log.level
     for offline, how in (({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
                           "unset HF_HUB_OFFLINE and HF_DATASETS_OFFLINE to download it"),
-                         ({"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "yes"},
+                         ({"HF_HUB_OFFLINE": None, "HF_DATASETS_OFFLINE": "yes"},  # None: not set
                           "unset HF_DATASETS_OFFLINE to download it"),
                          ({"HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "0"},
                           "connect to the Hugging Face Hub once to cache it")):
         for key, value in offline.items():
-            monkeypatch.setenv(key, value)
+            monkeypatch.setenv(key, value) if value is not None else monkeypatch.delenv(key, raising=False)
         datasets_log.setLevel(logging.DEBUG)
         with pytest.raises(SystemExit) as exit_info:
             harness.main()
