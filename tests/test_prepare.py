@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parallax import chat as chat_lib
@@ -98,7 +98,7 @@ _LINE = st.tuples(st.text(alphabet="ab é日\r\n\"\\", max_size=12),
                   st.sampled_from(['{"text": %s}\n', '{"text":\r%s}\n', '{"id": 1, "text": %s}\r\n', '%s']))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None)
 @given(lines=st.lists(_LINE, max_size=12), shard_bytes=st.integers(1, 120), last_newline=st.booleans())
 def test_a_jsonl_file_is_cut_at_line_ends_and_its_units_read_back_every_line(tmp_path_factory, lines, shard_bytes,
                                                                              last_newline):
