@@ -530,6 +530,6 @@ def test_the_outer_step_is_sgd_with_momentum_with_or_without_nesterov_on_roundin
         want = jax.tree.map(lambda g, s: g - 0.7 * s, glob, step)
         assert "error" not in out
         for got, w in zip(jax.tree.leaves(new_glob), jax.tree.leaves(want)):
-            np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-7, err_msg=str(nesterov))
+            np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-8, err_msg=str(nesterov))
         for got, w in zip(jax.tree.leaves(out["momentum"]), jax.tree.leaves(m)):
             np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-8)

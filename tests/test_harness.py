@@ -61,6 +61,12 @@ def lm(workdir):
     return ParallaxLM(workdir=workdir, batch_size=2)
 
 
+def _log_softmax(logits):
+    """numpy's log-softmax over the last axis (float64 in, float64 out)."""
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
 def _direct(lm, context, continuation, shift=0):
     """Straight from one unpadded forward pass over context + continuation: the sum over the continuation's
     tokens of the log-softmax at the position before each (`shift` moves that position), and whether each
@@ -72,8 +78,7 @@ def _direct(lm, context, continuation, shift=0):
     batch = {"inputs": np.asarray([tokens], np.int32), "segment_ids": np.ones((1, n), np.int32),
              "positions": np.arange(n, dtype=np.int32)[None]}
     logits = np.asarray(model.logits(forward(model, batch, par=lm.par), lm.par), np.float64)[0]  # (n, V)
-    top = logits.max(-1, keepdims=True)
-    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    logp = _log_softmax(logits)
     rows = [t + shift for t in range(len(context) - 1, n - 1)]  # position t predicts token t + 1
     return (sum(logp[r, tokens[r - shift + 1]] for r in rows),
             all(int(np.argmax(logp[r])) == tokens[r - shift + 1] for r in rows))
@@ -373,13 +378,12 @@ def test_token_scores_make_the_logits_a_chunk_at_a_time_in_fp32_and_equal_numpys
     logits = np.asarray(model.logits(x, lm.par), np.float64)
     targets = rng.integers(0, logits.shape[-1], (B, T)).astype(np.int32)
     targets[0, :3] = logits[0, :3].argmax(-1)  # some positions where the target is the argmax
-    top = logits.max(-1, keepdims=True)
-    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    logp = _log_softmax(logits)
     want = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     for chunk, scans in ((0, 1), (4, 2), (2, 4), (3, 1), (7, 1)):  # 3 and 7 do not divide 8: one slice
         par = dataclasses.replace(lm.par, loss_chunk=chunk)
         got, greedy = harness._token_scores(model, x, jnp.asarray(targets), par)
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6, err_msg=str(chunk))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, err_msg=str(chunk))
         np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1) == targets)
         jaxpr = jax.make_jaxpr(lambda x, t: harness._token_scores(model, x, t, par))(x, targets)
         lengths = [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
@@ -446,8 +450,7 @@ def test_an_moe_models_rows_score_as_their_own_forward_pass_whatever_shares_the_
     alone = {"inputs": row[None, :n], "segment_ids": np.ones((1, n), np.int32), "weights": np.ones((1, n), np.float32),
              "positions": np.arange(n, dtype=np.int32)[None]}
     logits = np.asarray(model.logits(forward(model, alone, par=par), par), np.float64)[0]
-    top = logits.max(-1, keepdims=True)
-    want = (logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True)))[np.arange(n), row[1:]]
+    want = _log_softmax(logits)[np.arange(n), row[1:]]
     for mate in (np.zeros(T, np.int32), rng.integers(0, vocab, T).astype(np.int32), np.full(T, 3, np.int32)):
         inputs, targets = np.zeros((2, T), np.int32), np.zeros((2, T), np.int32)
         inputs[0, :n], targets[0, :n], inputs[1], targets[1] = row[:n], row[1:], mate, np.roll(mate, -1)
